@@ -1,0 +1,215 @@
+"""Command line: `ckptfs SUBCOMMAND` and the `mount.ckptfs` helper.
+
+`main(argv)` and `mount_helper_main(argv)` can be called in-process by tests.
+User mistakes raise UsageError and print one line, no traceback. Exit codes
+live in `ExitCode` and are documented in the README's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Optional
+
+from . import control
+from .daemon import find_mount, mount
+from .errors import CkptfsError, UsageError
+from .options import options_help, parse_options
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0                   # also: fsck found nothing wrong
+    FAILED = 1               # the operation could not be done (one line on stderr says why)
+    USAGE = 2                # bad command line or options
+    FSCK_REPAIRED = 3        # fsck found problems and repaired all of them
+    FSCK_UNCORRECTED = 4     # fsck found problems it left (or could not) repair
+
+
+MOUNT_USAGE = """usage: mount.ckptfs SOURCE MOUNTPOINT [-o OPT[,OPT...]] [-f] [-n] [-s] [-v]
+
+Mount ckptfs with its state in SOURCE/.ckptfs (SOURCE may equal MOUNTPOINT:
+mount over the checkpoint directory itself). Returns once the mount is live.
+  -f   stay in the foreground (log to stderr)
+  -n, -s, -v, -t TYPE   accepted for mount(8) compatibility
+"""
+
+
+def mount_helper_main(argv: Optional[list[str]] = None) -> int:
+    """mount.ckptfs, called by hand or by mount(8) as mount.ckptfs SRC DIR -o OPTS."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(MOUNT_USAGE + "\n" + options_help())
+        return ExitCode.OK
+    positional: list[str] = []
+    option_strings: list[str] = []
+    foreground = False
+    it = iter(argv)
+    for arg in it:
+        if arg == "-o":
+            option_strings.append(next(it, ""))
+        elif arg.startswith("-o") and len(arg) > 2:
+            option_strings.append(arg[2:])
+        elif arg == "-f":
+            foreground = True
+        elif arg in ("-n", "-s", "-v"):
+            pass
+        elif arg == "-t":
+            next(it, None)
+        elif arg.startswith("-"):
+            return _fail(UsageError(f"unknown flag {arg} (see mount.ckptfs --help)"))
+        else:
+            positional.append(arg)
+    if len(positional) != 2:
+        return _fail(UsageError("need SOURCE and MOUNTPOINT (see mount.ckptfs --help)"))
+    return _mount(positional[0], positional[1], option_strings, foreground)
+
+
+def _mount(source: str, mountpoint: str, option_strings: list[str], foreground: bool) -> int:
+    try:
+        opts = parse_options(source, mountpoint, option_strings)
+    except UsageError as e:
+        return _fail(e)
+    opts.foreground = opts.foreground or foreground
+    if find_mount(opts.mountpoint) is not None and opts.source != opts.mountpoint:
+        return _fail(UsageError(f"{opts.mountpoint} is already a ckptfs mount"))
+    return mount(opts)
+
+
+def _fail(e: Exception) -> int:
+    print(f"ckptfs: {e}", file=sys.stderr)
+    return ExitCode.USAGE if isinstance(e, UsageError) else ExitCode.FAILED
+
+
+# ---------------------------------------------------------------- ckptfs CMD
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ckptfs", description="Operate ckptfs, the checkpoint filesystem.",
+        epilog="Exit codes: 0 ok (fsck: clean), 1 failed, 2 usage error, "
+               "3 fsck repaired everything it found, 4 fsck left problems.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("mount", help="mount SOURCE on MOUNTPOINT (same as mount.ckptfs)",
+                       description=MOUNT_USAGE + "\n" + options_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source")
+    p.add_argument("mountpoint")
+    p.add_argument("-o", dest="options", action="append", default=[])
+    p.add_argument("-f", dest="foreground", action="store_true")
+
+    p = sub.add_parser("umount", help="unmount and wait until the daemon has committed and exited")
+    p.add_argument("mountpoint")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
+    p.add_argument("-z", "--lazy", action="store_true", help="detach even if busy")
+
+    p = sub.add_parser("stat", help="space, dedup and log use of a mounted ckptfs")
+    p.add_argument("mountpoint")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("fsck", help="check an unmounted ckptfs (index, log, refcounts, checksums)")
+    p.add_argument("source")
+    p.add_argument("--repair", action="store_true", help="mend what can be mended")
+    p.add_argument("--no-data", action="store_true", help="skip reading every data block")
+    p.add_argument("-o", dest="options", action="append", default=[],
+                   help="the mount options the filesystem uses (for pmem=)")
+
+    p = sub.add_parser("sync", help="make everything written so far durable")
+    p.add_argument("mountpoint")
+
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "mount":
+            return _mount(args.source, args.mountpoint, args.options, args.foreground)
+        if args.cmd == "umount":
+            return umount(args.mountpoint, args.timeout, args.lazy)
+        if args.cmd == "stat":
+            return show_stat(args.mountpoint, args.json)
+        if args.cmd == "fsck":
+            from .fsck import run_fsck
+            return run_fsck(args.source, args.options, repair=args.repair,
+                            verify_data=not args.no_data)
+        if args.cmd == "sync":
+            control.request(args.mountpoint, "sync")
+            return ExitCode.OK
+    except (CkptfsError, OSError) as e:
+        return _fail(e)
+    return ExitCode.USAGE
+
+
+def umount(mountpoint: str, timeout_s: float, lazy: bool) -> int:
+    if find_mount(mountpoint) is None:
+        raise UsageError(f"{mountpoint} is not a ckptfs mount")
+    try:
+        pid = control.request(mountpoint, "ping", timeout_s=10)["pid"]
+    except CkptfsError:
+        pid = None          # daemon gone: just detach the dead mount
+        lazy = True
+    tool = shutil.which("fusermount3") or shutil.which("fusermount") or "umount"
+    cmd = [tool, "-u"] if "fusermount" in tool else [tool]
+    if lazy:
+        cmd.append("-z" if "fusermount" in tool else "-l")
+    res = subprocess.run(cmd + [mountpoint], capture_output=True, text=True)
+    if res.returncode != 0:
+        detail = (res.stderr.strip().splitlines() or ["unmount failed"])[-1]
+        raise CkptfsError(f"cannot unmount {mountpoint}: {detail}")
+    if pid is not None and not _wait_exit(pid, timeout_s):
+        raise CkptfsError(f"daemon {pid} still running after {timeout_s:.0f} s")
+    return ExitCode.OK
+
+
+def _wait_exit(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def show_stat(mountpoint: str, as_json: bool) -> int:
+    stats = control.request(mountpoint, "stat")
+    if as_json:
+        json.dump(stats, sys.stdout, indent=2, sort_keys=True)
+        print()
+        return ExitCode.OK
+    rows = [
+        ("daemon pid", stats["pid"]),
+        ("sync mode", stats["sync"]),
+        ("files", stats["files"]),
+        ("logical bytes", _human(stats["logical_bytes"])),
+        ("stored bytes", _human(stats["stored_bytes"])),
+        ("dedup ratio", f"{stats['dedup_ratio']:.2f}"),
+        ("log in use", f"{_human(stats['hot_bytes'])} of {_human(stats['pmem_size'])}"
+                       f" ({100 * stats['hot_bytes'] / max(stats['pmem_size'], 1):.1f}%)"),
+        ("pre-existing bytes", _human(stats["source_bytes"])),
+        ("cold bytes", _human(stats["cold_bytes"])),
+        ("chunks", stats["chunks"]),
+        ("open / dirty files", f"{stats['open_files']} / {stats['dirty_files']}"),
+        ("commits", f"{stats['commits']} (avg {stats['commit_seconds_avg'] * 1000:.2f} ms)"),
+        ("state", "READ-ONLY" if stats["read_only"] else "read-write"),
+        ("last error", stats["last_error"] or "-"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return ExitCode.OK
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

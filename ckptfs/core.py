@@ -1,0 +1,427 @@
+"""The filesystem core: the calls `fuse_ops` makes, on top of the layers.
+
+`Filesystem` ties namespace, file data, the log and the index together and
+owns what only exists while mounted: open handles, kernel lookup counts, the
+commit policy (sync=close / sync=lazy) and the worker-thread limiters. It
+raises the project's exceptions; `fuse_ops` maps them to errno.
+
+Runs on the trio thread. Byte work above SMALL_IO_BYTES goes to worker
+threads under `io_limiter`; commits go through the index's committer under
+`commit_limiter` (one LMDB write transaction at a time).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import trio
+
+from . import index as ix
+from .errors import (BadFileHandle, CkptfsError, DamagedData, InvalidArgument, IsADirectory,
+                     NoSpace, ReadOnly)
+from .files import DirtyFile, FileData, SourceFiles
+from .index import Index, Inode
+from .namespace import Namespace
+from .pmemlog import PmemLog
+
+log = logging.getLogger(__name__)
+
+SMALL_IO_BYTES = 64 * 1024
+
+
+@dataclass
+class CommitPolicy:
+    sync: str = "close"             # "close" | "lazy"
+    lazy_max_delay_s: float = 1.0   # lazy: close waits only if commits lag this much
+
+    def __post_init__(self) -> None:
+        if self.sync not in ("close", "lazy"):
+            raise InvalidArgument(f"sync must be 'close' or 'lazy', not {self.sync!r}")
+
+
+@dataclass
+class Handle:
+    ino: int
+    flags: int
+
+
+@dataclass
+class Attrs:
+    """What the adapter needs to answer getattr: inode plus open-file overrides."""
+
+    inode: Inode
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    data_bytes: int     # bytes that hold data (holes excluded): st_blocks
+
+
+class Filesystem:
+    def __init__(self, index: Index, plog: PmemLog, sources: SourceFiles,
+                 policy: CommitPolicy) -> None:
+        self.index = index
+        self.log = plog
+        self.ns = Namespace(index)
+        self.files = FileData(index, plog, sources)
+        self.policy = policy
+        self.handles: dict[int, Handle] = {}
+        self.open_count: dict[int, int] = {}
+        self.lookups: dict[int, int] = {}
+        self._next_fh = 1
+        self.io_limiter = trio.CapacityLimiter(4)
+        self.commit_limiter = trio.CapacityLimiter(1)
+        self.started_at = time.time()
+        self.errors_by_kind: dict[str, int] = {}
+
+    # ------------------------------------------------------------- lifecycle
+
+    def recover(self) -> int:
+        """Mount-time recovery: free space from the index, purge orphans.
+
+        Reads the index only (no log scan): uncommitted log bytes are free
+        space by definition. Returns how many orphans were purged.
+        """
+        self.log.init_free_space((off, length) for off, length, _ in ix.used_log_ranges(self.index))
+        orphans = self.ns.orphans()
+        for ino in orphans:
+            self._purge(ino)
+        if not self.index.was_clean():
+            log.warning("index was not cleanly unmounted: recovered to the last durable "
+                        "commit, purged %d orphaned inodes", len(orphans))
+        self.index.set_clean(False)
+        return len(orphans)
+
+    async def run_committer(self) -> None:
+        await self.index.run_committer(self.log.persist, self.commit_limiter)
+
+    async def shutdown(self) -> None:
+        """Commit everything still open, purge orphans, mark clean. Committer keeps running."""
+        for ino in list(self.files.dirty):
+            try:
+                await self._commit(ino)
+            except Exception as e:  # keep going: the rest still deserves a commit
+                log.error("final commit of inode %d failed: %s", ino, e)
+        self.handles.clear()
+        self.open_count.clear()
+        self.lookups.clear()
+        for ino in self.ns.orphans():
+            self._purge(ino)
+        self.index.set_clean(True)
+        await self.index.wait_durable(self.index.current_seq())
+
+    @staticmethod
+    def now_ns() -> int:
+        return time.time_ns()
+
+    # ------------------------------------------------------------ attributes
+
+    def attrs(self, ino: int) -> Attrs:
+        inode = self.ns.get(ino)
+        df = self.files.dirty.get(ino)
+        if df is None:
+            return Attrs(inode, inode.size, inode.mtime_ns, inode.ctime_ns, inode.data_bytes)
+        # Until commit, count the whole new size as data: du may overstate holes.
+        return Attrs(inode, df.size, df.mtime_ns or inode.mtime_ns, df.ctime_ns or inode.ctime_ns,
+                     df.size)
+
+    def lookup(self, parent: int, name: bytes) -> Attrs:
+        inode = self.ns.lookup(parent, name)
+        self._remember(inode.ino)
+        return self.attrs(inode.ino)
+
+    def _remember(self, ino: int) -> None:
+        self.lookups[ino] = self.lookups.get(ino, 0) + 1
+
+    def forget(self, ino: int, nlookup: int) -> None:
+        left = self.lookups.get(ino, 0) - nlookup
+        if left > 0:
+            self.lookups[ino] = left
+            return
+        self.lookups.pop(ino, None)
+        self._maybe_purge(ino)
+
+    def setattr(self, ino: int, *, mode: Optional[int] = None, uid: Optional[int] = None,
+                gid: Optional[int] = None, size: Optional[int] = None,
+                atime_ns: Optional[int] = None, mtime_ns: Optional[int] = None,
+                ctime_ns: Optional[int] = None) -> Attrs:
+        now = self.now_ns()
+        inode = self.ns.get(ino)
+        if size is not None:
+            if stat.S_ISDIR(inode.mode):
+                raise IsADirectory("truncate of a directory")
+            if not stat.S_ISREG(inode.mode):
+                raise InvalidArgument("truncate of a special file")
+            df = self.files.dirty.get(ino)
+            if df is None and self.open_count.get(ino):
+                df = self.files.dirty_file(ino, inode.size)
+            if df is not None:
+                # An open file's truncate commits with its data, atomically.
+                self.files.truncate_dirty(df, size)
+                df.mtime_ns = df.ctime_ns = now
+            else:
+                self.files.truncate_committed(inode, size)
+                inode.mtime_ns = inode.ctime_ns = now
+        if mode is not None:
+            inode.mode = stat.S_IFMT(inode.mode) | (mode & 0o7777)
+        if uid is not None:
+            inode.uid = uid
+        if gid is not None:
+            inode.gid = gid
+        if atime_ns is not None:
+            inode.atime_ns = atime_ns
+        if mtime_ns is not None:
+            inode.mtime_ns = mtime_ns
+            df = self.files.dirty.get(ino)
+            if df is not None and df.mtime_ns is not None:
+                df.mtime_ns = mtime_ns
+        inode.ctime_ns = ctime_ns if ctime_ns is not None else now
+        self.ns.put(inode)
+        return self.attrs(ino)
+
+    # -------------------------------------------------------------- creating
+
+    def make_node(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                  rdev: int = 0, target: Optional[bytes] = None) -> Attrs:
+        inode = self.ns.create(parent, name, mode, uid, gid, self.now_ns(), rdev=rdev,
+                               target=target)
+        self._remember(inode.ino)
+        return self.attrs(inode.ino)
+
+    def link(self, ino: int, parent: int, name: bytes) -> Attrs:
+        inode = self.ns.link(ino, parent, name, self.now_ns())
+        self._remember(inode.ino)
+        return self.attrs(ino)
+
+    def unlink(self, parent: int, name: bytes) -> None:
+        inode = self.ns.unlink(parent, name, self.now_ns())
+        if inode.nlink == 0:
+            self._maybe_purge(inode.ino)
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        inode = self.ns.rmdir(parent, name, self.now_ns())
+        self._maybe_purge(inode.ino)
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+               flags: int) -> None:
+        replaced = self.ns.rename(old_parent, old_name, new_parent, new_name, flags,
+                                  self.now_ns())
+        if replaced is not None and replaced.nlink == 0:
+            self._maybe_purge(replaced.ino)
+
+    def _maybe_purge(self, ino: int) -> None:
+        if self.lookups.get(ino) or self.open_count.get(ino):
+            return
+        inode = ix.get_inode(self.index, ino)
+        if inode is not None and inode.nlink == 0:
+            self._purge(ino)
+
+    def _purge(self, ino: int) -> None:
+        df = self.files.dirty.get(ino)
+        if df is not None:
+            self.files.discard(df)
+        self.files.remove_all(ino)
+        self.ns.delete_inode(ino)
+
+    # ----------------------------------------------------------- open files
+
+    def open(self, ino: int, flags: int) -> int:
+        inode = self.ns.get(ino)
+        if stat.S_ISDIR(inode.mode):
+            raise IsADirectory("open of a directory for I/O")
+        if flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY:
+            df = self.files.dirty_file(ino, inode.size)
+            if df.size:
+                self.files.truncate_dirty(df, 0)
+            df.mtime_ns = df.ctime_ns = self.now_ns()
+        return self._new_handle(ino, flags)
+
+    def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int
+               ) -> tuple[int, Attrs]:
+        attrs = self.make_node(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid)
+        return self._new_handle(attrs.inode.ino, flags), attrs
+
+    def _new_handle(self, ino: int, flags: int) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = Handle(ino, flags)
+        self.open_count[ino] = self.open_count.get(ino, 0) + 1
+        return fh
+
+    def handle(self, fh: int) -> Handle:
+        h = self.handles.get(fh)
+        if h is None:
+            raise BadFileHandle(f"unknown file handle {fh}")
+        return h
+
+    async def write(self, fh: int, off: int, data: bytes) -> int:
+        if self.index.failure is not None:
+            raise ReadOnly("filesystem is read-only after an index failure")
+        h = self.handle(fh)
+        df = self.files.dirty.get(h.ino)
+        if df is None:
+            df = self.files.dirty_file(h.ino, self.ns.get(h.ino).size)
+        try:
+            pieces = self.files.prepare_write(df, off, len(data))
+        except CkptfsError as e:
+            # A file that lost a write must not commit half of its new content.
+            df.write_error = e
+            raise
+        df.mtime_ns = df.ctime_ns = self.now_ns()
+        if df.inflight == 0:
+            df.idle = trio.Event()
+        df.inflight += 1
+        try:
+            if len(data) > SMALL_IO_BYTES:
+                await trio.to_thread.run_sync(self.files.store_blocking, data, pieces,
+                                              limiter=self.io_limiter)
+            else:
+                self.files.store_blocking(data, pieces)
+        except OSError as e:
+            df.write_error = e
+            raise DamagedData(f"log write failed: {e}") from e
+        finally:
+            df.inflight -= 1
+            if df.inflight == 0:
+                df.idle.set()
+        self.files.bytes_written += len(data)
+        return len(data)
+
+    async def _settled(self, ino: int) -> Optional[DirtyFile]:
+        """The file's overlay once no write is in flight (None if clean)."""
+        while True:
+            df = self.files.dirty.get(ino)
+            if df is None or df.inflight == 0:
+                return df
+            await df.idle.wait()
+
+    async def read(self, fh: int, off: int, size: int) -> bytes | bytearray:
+        ino = self.handle(fh).ino
+        await self._settled(ino)
+        attrs = self.attrs(ino)
+        length, pieces = self.files.read_plan(ino, off, size, attrs.size)
+        if not pieces:
+            return bytes(length)
+        if length > SMALL_IO_BYTES:
+            data = await trio.to_thread.run_sync(self.files.read_blocking, length, pieces,
+                                                 limiter=self.io_limiter)
+        else:
+            data = self.files.read_blocking(length, pieces)
+        self.files.bytes_read += length
+        return data
+
+    async def _commit(self, ino: int) -> int:
+        """Put the file's overlay in the open batch; return the batch to wait for."""
+        df = await self._settled(ino)
+        if df is None or not df.dirty:
+            return self.index.current_seq()
+        if df.write_error is not None:
+            err = df.write_error
+            self.files.discard(df)
+            kind = NoSpace if isinstance(err, NoSpace) else DamagedData
+            raise kind(f"a write to inode {ino} failed ({err}); its changes since the last "
+                       "commit are discarded")
+        inode = self.ns.get(ino)
+        if inode.nlink == 0:
+            self.files.discard(df)     # unlinked: nobody can see these bytes again
+            return self.index.current_seq()
+        self.files.commit_file(df, inode, self.now_ns())
+        return self.index.current_seq()
+
+    async def flush(self, fh: int) -> None:
+        seq = await self._commit(self.handle(fh).ino)
+        await self._wait_per_policy(seq)
+
+    async def fsync(self, fh: int) -> None:
+        seq = await self._commit(self.handle(fh).ino)
+        await self.index.wait_durable(seq)
+
+    async def sync_all(self) -> None:
+        """fsyncdir, syncfs: everything so far durable (open files' data included)."""
+        for ino in list(self.files.dirty):
+            await self._commit(ino)
+        await self.index.wait_durable(self.index.current_seq())
+
+    async def _wait_per_policy(self, seq: int) -> None:
+        if self.policy.sync == "close" or self.index.pending_age_s() > self.policy.lazy_max_delay_s:
+            await self.index.wait_durable(seq)
+
+    async def release(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if h is None:
+            raise BadFileHandle(f"unknown file handle {fh}")
+        left = self.open_count.get(h.ino, 1) - 1
+        try:
+            if left == 0:
+                seq = await self._commit(h.ino)
+                df = self.files.dirty.get(h.ino)
+                if df is not None and not df.dirty and df.inflight == 0:
+                    del self.files.dirty[h.ino]
+                await self._wait_per_policy(seq)
+        finally:
+            if left > 0:
+                self.open_count[h.ino] = left
+            else:
+                self.open_count.pop(h.ino, None)
+                self._maybe_purge(h.ino)
+
+    # ----------------------------------------------------------------- misc
+
+    def statfs(self) -> dict[str, int]:
+        disk = os.statvfs(self.log.path)
+        return {
+            "bsize": 4096,
+            "blocks": (self.log.capacity_bytes + disk.f_blocks * disk.f_frsize) // 4096,
+            "bfree": (self.log.free_bytes + disk.f_bfree * disk.f_frsize) // 4096,
+            "bavail": (self.log.free_bytes + disk.f_bavail * disk.f_frsize) // 4096,
+            "files": 1 << 32,
+            "ffree": (1 << 32) - self.index.counters[b"next_ino"],
+        }
+
+    def stats(self) -> dict[str, object]:
+        """The numbers `ckptfs stat` shows. Scans inodes and chunks (not hot-path)."""
+        logical = files = 0
+        for _, raw in self.index.items("inodes", ix.u64(0), ix.u64((1 << 64) - 1)):
+            inode = Inode.decode(0, raw)
+            if stat.S_ISREG(inode.mode):
+                files += 1
+                logical += inode.size
+        stored = chunks = source = 0
+        for k, raw in self.index.items("chunks", ix.u64(0), ix.u64((1 << 64) - 1)):
+            chunk = ix.Chunk.decode(ix.read_u64(k), raw)
+            chunks += 1
+            stored += chunk.length
+            if chunk.kind == ix.CHUNK_SOURCE:
+                source += chunk.length
+        hot = self.log.capacity_bytes - self.log.free_bytes
+        return {
+            "version": 1,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "sync": self.policy.sync,
+            "files": files,
+            "logical_bytes": logical,
+            "stored_bytes": stored,
+            "hot_bytes": hot,
+            "pmem_size": self.log.size_bytes,
+            "pmem_free_bytes": self.log.free_bytes,
+            "pmem_dax": self.log.dax,
+            "source_bytes": source,
+            "cold_bytes": 0,
+            "chunks": chunks,
+            "dedup_ratio": round(logical / stored, 4) if stored else 1.0,
+            "open_files": len(self.open_count),
+            "dirty_files": len(self.files.dirty),
+            "commits": self.index.commits,
+            "commit_seconds_avg": (round(self.index.commit_seconds_total / self.index.commits, 6)
+                                   if self.index.commits else 0.0),
+            "bytes_written": self.files.bytes_written,
+            "bytes_read": self.files.bytes_read,
+            "read_only": self.index.failure is not None,
+            "last_error": str(self.index.failure) if self.index.failure else None,
+            **self.index.stats(),
+        }

@@ -1,0 +1,324 @@
+"""Daemon lifecycle: open the state, mount, serve, commit, unmount.
+
+`mount` (used by `mount.ckptfs` and `ckptfs mount`) validates the options,
+then starts the daemon as a fresh process (`python -m ckptfs.daemon`) and
+waits on a pipe until the daemon reports that the mount is live, or why it
+is not: so the command returns 0 only for a live mount and prints one clear
+line otherwise. No fork inside trio, no double fork: the daemon is a new
+session started by subprocess.
+
+Order at start (all before the mount hides SOURCE): state dir, lock, index
+(format and adopt the existing tree on first use), log, recovery; then
+pyfuse3.init, then the trio loop. At the end: every open file committed,
+orphans purged, the index marked clean and synced, then unmount.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Optional
+
+import pyfuse3
+import trio
+
+from . import adopt, control
+from . import index as ix
+from .core import CommitPolicy, Filesystem
+from .errors import CkptfsError, FormatError, UsageError
+from .files import SourceFiles
+from .fuse_ops import CkptfsOperations
+from .index import Index
+from .options import MountOptions, parse_options
+from .pmemlog import PmemLog
+
+log = logging.getLogger("ckptfs.daemon")
+
+READ_AHEAD_KB = 1024       # FUSE reads arrive as 128-256 KiB otherwise
+
+
+@dataclass
+class State:
+    """Everything opened before the mount; closed after it."""
+
+    opts: MountOptions
+    lock_fd: int
+    source_fd: int
+    index: Index
+    log: PmemLog
+    sources: SourceFiles
+
+    def close(self) -> None:
+        self.sources.close()
+        self.log.close()
+        self.index.close()
+        os.close(self.source_fd)
+        os.close(self.lock_fd)
+
+
+def open_state(opts: MountOptions) -> State:
+    """Lock SOURCE and open (or create) its index and log. May block."""
+    os.makedirs(opts.state_dir, mode=0o700, exist_ok=True)
+    with ExitStack() as undo:
+        lock_fd = lock_source(opts.state_dir)
+        undo.callback(os.close, lock_fd)
+        source_fd = os.open(opts.source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        undo.callback(os.close, source_fd)
+        index = Index(opts.index_dir)
+        undo.callback(index.close)
+        if not index.is_formatted():
+            st = os.fstat(source_fd)
+            index.format(ix.new_fs_uuid(), time.time_ns(), st.st_uid, st.st_gid)
+            counters = dict(index.counters)
+            adopted = [0]
+            index.write_direct(lambda txn: adopted.__setitem__(
+                0, adopt.adopt_tree(txn, source_fd, counters)))
+            log.info("new ckptfs over %s; adopted %d existing entries", opts.source, adopted[0])
+        fs_uuid = index.check_format()
+        has_hot_data = next(ix.used_log_ranges(index), None) is not None
+        if has_hot_data and not os.path.exists(opts.pmem_path):
+            raise FormatError(f"log {opts.pmem_path} is missing but the index names data in it")
+        size = opts.pmem_size
+        if size is None and not os.path.exists(opts.pmem_path):
+            size = opts.default_pmem_size()
+        plog = PmemLog.open(opts.pmem_path, size, fs_uuid)
+        undo.callback(plog.close)
+        sources = SourceFiles(source_fd)
+        undo.pop_all()
+    return State(opts, lock_fd, source_fd, index, plog, sources)
+
+
+def lock_source(state_dir: str) -> int:
+    """Hold SOURCE for this daemon: a second mount fails instead of corrupting."""
+    path = os.path.join(state_dir, "lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise UsageError(f"{os.path.dirname(state_dir)} is already mounted by ckptfs "
+                         f"(daemon pid {holder or 'unknown'})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def setup_logging(opts: MountOptions, foreground: bool) -> None:
+    level = logging.DEBUG if opts.debug else logging.INFO
+    if foreground:
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    else:
+        # Opened before the mount, so it stays writable when SOURCE is hidden.
+        handler = logging.FileHandler(os.path.join(opts.state_dir, "daemon.log"))
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
+    root = logging.getLogger("ckptfs")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    if not opts.debug:
+        # pyfuse3 logs each failed request at debug only; keep it quiet.
+        logging.getLogger("pyfuse3").setLevel(logging.WARNING)
+
+
+def fuse_options(opts: MountOptions) -> set[str]:
+    fsname = opts.source.replace(",", "\\,")
+    options = set(pyfuse3.default_options) | {f"fsname={fsname}", "subtype=ckptfs"}
+    if opts.allow_other:
+        options.add("allow_other")
+    if opts.read_only:
+        options.add("ro")
+    options.update(opts.kernel_flags)
+    return options
+
+
+def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
+    """Run the daemon in this process until unmounted. Returns an exit code."""
+    opts.source = os.path.realpath(opts.source)
+    opts.mountpoint = os.path.realpath(opts.mountpoint)
+    os.makedirs(opts.state_dir, mode=0o700, exist_ok=True)
+    setup_logging(opts, foreground=ready_fd is None)
+    try:
+        state = open_state(opts)
+    except (CkptfsError, OSError) as e:
+        _report(ready_fd, f"ckptfs: {e}")
+        return 1
+    fs = Filesystem(state.index, state.log, state.sources,
+                    CommitPolicy(sync=opts.sync, lazy_max_delay_s=opts.lazy_delay_s))
+    mounted = False
+    try:
+        # Resolve every path now: once mounted, a stat of the mountpoint from
+        # this process would wait for this very loop.
+        sock_path = control.socket_path(opts.mountpoint)
+        purged = fs.recover()
+        if purged:
+            log.info("purged %d orphaned inodes", purged)
+        try:
+            pyfuse3.init(CkptfsOperations(fs), opts.mountpoint, fuse_options(opts))
+        except RuntimeError as e:
+            raise UsageError(f"cannot mount on {opts.mountpoint}: {e}") from None
+        mounted = True
+        trio.run(_run, fs, opts, ready_fd, sock_path)
+    except (CkptfsError, OSError) as e:
+        log.error("%s", e)
+        _report(ready_fd, f"ckptfs: {e}")
+        return 1
+    finally:
+        if mounted:
+            pyfuse3.close(unmount=True)
+        state.close()
+        log.info("unmounted %s", opts.mountpoint)
+    return 0
+
+
+async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
+               sock_path: str) -> None:
+    async with trio.open_nursery() as outer:
+        outer.start_soon(fs.run_committer)
+        async with trio.open_nursery() as inner:
+            await inner.start(control.serve, sock_path, _control_handlers(fs))
+            inner.start_soon(_watch_signals)
+            inner.start_soon(trio.to_thread.run_sync, _raise_read_ahead, opts.mountpoint)
+            inner.start_soon(_report_ready, ready_fd, opts)
+            try:
+                await pyfuse3.main(min_tasks=4, max_tasks=64)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await fs.shutdown()
+                    fs.index.stop()
+                inner.cancel_scope.cancel()
+
+
+async def _report_ready(ready_fd: Optional[int], opts: MountOptions) -> None:
+    await trio.sleep(0)      # pyfuse3.main is now reading requests
+    log.info("mounted %s on %s (pid %d, sync=%s)", opts.source, opts.mountpoint,
+             os.getpid(), opts.sync)
+    _report(ready_fd, "OK")
+
+
+def _control_handlers(fs: Filesystem) -> dict:
+    async def stat(_: dict) -> dict:
+        return fs.stats()
+
+    async def sync(_: dict) -> dict:
+        await fs.sync_all()
+        return {"durable_seq": fs.index.durable_seq}
+
+    async def ping(_: dict) -> dict:
+        return {"pid": os.getpid()}
+
+    return {"stat": stat, "sync": sync, "ping": ping}
+
+
+async def _watch_signals() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("got %s: committing and unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+def _raise_read_ahead(mountpoint: str) -> None:
+    """Best effort: bigger read requests (1 MiB) make sequential restores faster."""
+    dev = mount_device(mountpoint)
+    if dev is None:
+        return
+    try:
+        with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
+            f.write(str(READ_AHEAD_KB))
+    except OSError as e:
+        log.debug("could not raise read-ahead for %s: %s", mountpoint, e)
+
+
+def mount_device(mountpoint: str) -> Optional[str]:
+    """major:minor of the ckptfs mount at (resolved) mountpoint, from /proc/self/mountinfo."""
+    entry = find_mount(mountpoint, resolve=False)
+    return entry[0] if entry else None
+
+
+def find_mount(mountpoint: str, resolve: bool = True) -> Optional[tuple[str, str]]:
+    """(major:minor, source) of the topmost ckptfs mount at mountpoint, if any.
+
+    The daemon passes resolve=False: resolving its own mountpoint would be a
+    request to itself.
+    """
+    target = os.path.realpath(mountpoint) if resolve else mountpoint
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            point = fields[4].encode().decode("unicode_escape")
+            if point == target and fields[sep + 1] == "fuse.ckptfs":
+                found = (fields[2], fields[sep + 2].encode().decode("unicode_escape"))
+    return found
+
+
+def _report(ready_fd: Optional[int], message: str) -> None:
+    if ready_fd is None:
+        if message != "OK":
+            print(message, file=sys.stderr)
+        return
+    try:
+        os.write(ready_fd, message.encode(errors="replace") + b"\n")
+        os.close(ready_fd)
+    except OSError:
+        pass
+
+
+# ----------------------------------------------------------------- spawning
+
+def mount(opts: MountOptions) -> int:
+    """Start a daemon for opts and wait until its mount is live. Returns an exit code."""
+    if opts.foreground:
+        return serve(opts)
+    read_fd, write_fd = os.pipe()
+    cmd = [sys.executable, "-m", "ckptfs.daemon", "--ready-fd", str(write_fd),
+           opts.source, opts.mountpoint, "-o", opts.to_option_string()]
+    with open(os.devnull, "rb") as devnull_in, open(os.devnull, "wb") as devnull_out:
+        proc = subprocess.Popen(cmd, stdin=devnull_in, stdout=devnull_out, stderr=subprocess.PIPE,
+                                pass_fds=(write_fd,), start_new_session=True)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as ready:
+        line = ready.readline().decode(errors="replace").strip()
+    if line == "OK":
+        proc.stderr.close()
+        return 0
+    code = proc.wait()
+    stderr = proc.stderr.read().decode(errors="replace").strip().splitlines()
+    proc.stderr.close()
+    message = line or (stderr[-1] if stderr else
+                       f"ckptfs: daemon exited with code {code} before the mount was live")
+    print(message if message.startswith("ckptfs:") else f"ckptfs: {message}", file=sys.stderr)
+    return 1
+
+
+def _daemon_main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ckptfs.daemon")
+    p.add_argument("--ready-fd", type=int, required=True)
+    p.add_argument("source")
+    p.add_argument("mountpoint")
+    p.add_argument("-o", dest="options", action="append", default=[])
+    args = p.parse_args(argv)
+    os.set_inheritable(args.ready_fd, False)
+    try:
+        opts = parse_options(args.source, args.mountpoint, args.options)
+    except UsageError as e:
+        _report(args.ready_fd, f"ckptfs: {e}")
+        return 1
+    return serve(opts, args.ready_fd)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(_daemon_main())
+    except KeyboardInterrupt:
+        sys.exit(128 + signal.SIGINT)

@@ -1,0 +1,599 @@
+"""The LMDB index: the single source of truth for what is committed.
+
+This module owns every sub-database, every key and value encoding, and the
+group-commit pipeline. Nothing else in ckptfs talks to LMDB.
+
+Schema (all integers big-endian in keys so that LMDB's byte order is numeric
+order; little-endian in values):
+
+    meta      b"format" -> u32 FORMAT_VERSION
+              b"uuid"   -> 16 bytes, also written in the log superblock so a
+                           log and an index that do not belong together are
+                           refused
+              b"next_ino", b"next_chunk", b"next_cookie" -> u64 counters;
+                           ids are never reused
+              b"clean"  -> b"1" after a clean unmount, b"0" while mounted
+    inodes    ino -> Inode (see INODE_STRUCT). `parent` is kept for
+              directories only (they have exactly one); `data_bytes` is the
+              sum of extent lengths (what `du` shows).
+    dirents   parent + name -> child ino + cookie
+    dirlist   parent + cookie -> name          (readdir order; cookies are
+              never reused, so a readdir resumed after concurrent changes
+              neither repeats nor skips surviving entries)
+    extents   ino + file offset -> chunk no + offset in chunk + length.
+              Extents of one inode never overlap; a range with no extent is
+              a hole and reads as zeros.
+    chunks    chunk no -> kind, refcount, length, location. refcount is the
+              number of extents that point into the chunk; a chunk whose
+              refcount drops to 0 is deleted in the same transaction and
+              its space is reused only after that transaction is durable.
+              kind LOG:    log offset + CRC-32C per CRC_BLOCK_BYTES block
+              kind SOURCE: path of a file that was in the directory before
+                           it was mounted over (relative to SOURCE)
+    logmap    log offset -> chunk no, for every LOG chunk: the log's used
+              space, so the free space is its complement (read at mount)
+    xattrs    ino + name -> value
+    symlinks  ino -> target
+    orphans   ino -> b"" for inodes unlinked while still open; purged at
+              last close, or at the next mount after a crash
+
+Concurrency contract: reads and writes are called on the trio thread only.
+Writes go to an in-memory batch (overlaid on LMDB for every read, so the
+namespace is consistent at once); the committer task writes whole batches in
+one LMDB write transaction on a worker thread, after persisting the log
+ranges the batch references. A batch is atomic; batches are durable in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+import uuid as uuidlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import lmdb
+import trio
+from sortedcontainers import SortedDict
+
+from .errors import FormatError, IndexFailure, NoSpace, ReadOnly
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+ROOT_INO = 1
+FIRST_COOKIE = 16  # cookies 1 and 2 are "." and ".." in readdir
+CRC_BLOCK_BYTES = 64 * 1024
+
+CHUNK_LOG = 1
+CHUNK_SOURCE = 2
+
+DB_NAMES = ("meta", "inodes", "dirents", "dirlist", "extents", "chunks",
+            "logmap", "xattrs", "symlinks", "orphans")
+
+_U64 = struct.Struct(">Q")
+_U64x2 = struct.Struct(">QQ")
+_EXTENT = struct.Struct("<QQQ")
+_DIRENT = struct.Struct("<QQ")
+_CHUNK_HEAD = struct.Struct("<BIQ")
+_LOGLOC = struct.Struct("<Q")
+INODE_STRUCT = struct.Struct("<IIIIQQqqqQQ")
+
+
+def u64(n: int) -> bytes:
+    return _U64.pack(n)
+
+
+def u64_le(n: int) -> bytes:
+    """Counter values in `meta` are little-endian like every other value."""
+    return _LOGLOC.pack(n)
+
+
+def read_u64(b: bytes) -> int:
+    return _U64.unpack(b)[0]
+
+
+@dataclass(slots=True)
+class Inode:
+    ino: int
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    rdev: int = 0
+    size: int = 0
+    atime_ns: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    parent: int = 0
+    data_bytes: int = 0
+
+    def encode(self) -> bytes:
+        return INODE_STRUCT.pack(self.mode, self.nlink, self.uid, self.gid, self.rdev,
+                                 self.size, self.atime_ns, self.mtime_ns, self.ctime_ns,
+                                 self.parent, self.data_bytes)
+
+    @classmethod
+    def decode(cls, ino: int, b: bytes) -> "Inode":
+        return cls(ino, *INODE_STRUCT.unpack(b))
+
+
+@dataclass(slots=True, frozen=True)
+class Extent:
+    """file range [file_off, file_off + length) -> chunk bytes from chunk_off."""
+
+    file_off: int
+    length: int
+    chunk_no: int
+    chunk_off: int
+
+    @property
+    def end(self) -> int:
+        return self.file_off + self.length
+
+
+@dataclass(slots=True)
+class Chunk:
+    chunk_no: int
+    kind: int
+    refcount: int
+    length: int
+    log_off: int = 0                 # CHUNK_LOG
+    crcs: bytes = b""                # CHUNK_LOG: u32 LE per CRC_BLOCK_BYTES block
+    source_path: bytes = b""         # CHUNK_SOURCE
+
+    def encode(self) -> bytes:
+        head = _CHUNK_HEAD.pack(self.kind, self.refcount, self.length)
+        if self.kind == CHUNK_LOG:
+            return head + _LOGLOC.pack(self.log_off) + self.crcs
+        return head + self.source_path
+
+    @classmethod
+    def decode(cls, chunk_no: int, b: bytes) -> "Chunk":
+        kind, refcount, length = _CHUNK_HEAD.unpack_from(b)
+        rest = b[_CHUNK_HEAD.size:]
+        if kind == CHUNK_LOG:
+            return cls(chunk_no, kind, refcount, length,
+                       log_off=_LOGLOC.unpack_from(rest)[0], crcs=bytes(rest[_LOGLOC.size:]))
+        if kind == CHUNK_SOURCE:
+            return cls(chunk_no, kind, refcount, length, source_path=bytes(rest))
+        raise FormatError(f"chunk {chunk_no}: unknown kind {kind}")
+
+
+@dataclass
+class Batch:
+    """Changes that will be committed together in one LMDB transaction."""
+
+    seq: int
+    ops: dict[str, SortedDict] = field(default_factory=dict)
+    persist_ranges: list[tuple[int, int]] = field(default_factory=list)
+    after_durable: list[Callable[[], None]] = field(default_factory=list)
+    opened_at: float = field(default_factory=time.monotonic)
+
+    def is_empty(self) -> bool:
+        return not self.ops and not self.after_durable
+
+    def op_count(self) -> int:
+        return sum(len(d) for d in self.ops.values())
+
+
+class Index:
+    """The LMDB environment, its sub-databases and the group-commit pipeline."""
+
+    def __init__(self, path: str, *, map_size_bytes: int = 1 << 40) -> None:
+        os.makedirs(path, exist_ok=True)
+        try:
+            # metasync stays on: without it a power loss may undo the last
+            # transaction, which would break "durable once close returns".
+            self.env = lmdb.open(path, map_size=map_size_bytes, max_dbs=len(DB_NAMES) + 2,
+                                 sync=True, metasync=True, readahead=False,
+                                 writemap=False, max_readers=64)
+        except lmdb.Error as e:
+            raise FormatError(f"cannot open index at {path}: {e}") from e
+        self.path = path
+        self._dbs = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
+        self._rtxn = self.env.begin()
+        self._open = Batch(seq=1)
+        self._committing: Optional[Batch] = None
+        self.durable_seq = 0
+        self.failure: Optional[BaseException] = None
+        self._work = trio.Event()
+        self._durable_changed = trio.Event()
+        self._stopping = False
+        self.commits = 0
+        self.commit_seconds_total = 0.0
+        self.counters: dict[bytes, int] = {}
+        self._load_counters()
+
+    # ----------------------------------------------------------------- setup
+
+    def is_formatted(self) -> bool:
+        return self.get("meta", b"format") is not None
+
+    def format(self, fs_uuid: bytes, now_ns: int, uid: int, gid: int) -> None:
+        """Write a new, empty filesystem (root directory only). May block."""
+        with self.env.begin(write=True) as txn:
+            m = self._dbs["meta"]
+            txn.put(b"format", struct.pack("<I", FORMAT_VERSION), db=m)
+            txn.put(b"uuid", fs_uuid, db=m)
+            txn.put(b"next_ino", _LOGLOC.pack(ROOT_INO + 1), db=m)
+            txn.put(b"next_chunk", _LOGLOC.pack(1), db=m)
+            txn.put(b"next_cookie", _LOGLOC.pack(FIRST_COOKIE), db=m)
+            txn.put(b"clean", b"1", db=m)
+            root = Inode(ROOT_INO, 0o40755, 2, uid, gid, atime_ns=now_ns, mtime_ns=now_ns,
+                         ctime_ns=now_ns, parent=ROOT_INO)
+            txn.put(u64(ROOT_INO), root.encode(), db=self._dbs["inodes"])
+        self._renew_read_txn()
+        self._load_counters()
+
+    def check_format(self) -> bytes:
+        """Return the filesystem uuid; refuse an index of another format."""
+        raw = self.get("meta", b"format")
+        if raw is None:
+            raise FormatError(f"{self.path} holds no ckptfs index")
+        (version,) = struct.unpack("<I", raw)
+        if version != FORMAT_VERSION:
+            raise FormatError(f"index format {version} is not supported (expected {FORMAT_VERSION})")
+        return self.get("meta", b"uuid") or b""
+
+    def _load_counters(self) -> None:
+        for name in (b"next_ino", b"next_chunk", b"next_cookie"):
+            raw = self.get("meta", name)
+            self.counters[name] = _LOGLOC.unpack(raw)[0] if raw else 0
+
+    def allocate_id(self, name: bytes) -> int:
+        """Next value of a never-reused counter (next_ino, next_chunk, next_cookie)."""
+        value = self.counters[name]
+        self.counters[name] = value + 1
+        self.put("meta", name, _LOGLOC.pack(value + 1))
+        return value
+
+    def set_clean(self, clean: bool) -> None:
+        self.put("meta", b"clean", b"1" if clean else b"0")
+
+    def was_clean(self) -> bool:
+        return self.get("meta", b"clean") != b"0"
+
+    def write_direct(self, fn: Callable[["DirectTxn"], None]) -> None:
+        """Run fn in one durable write transaction now. May block.
+
+        Only for start-up work (adoption, recovery) before the committer runs.
+        """
+        assert self._committing is None and self._open.is_empty()
+        with self.env.begin(write=True) as txn:
+            fn(DirectTxn(txn, self._dbs))
+        self._renew_read_txn()
+        self._load_counters()
+
+    # ----------------------------------------------------------------- reads
+
+    def get(self, db: str, key: bytes) -> Optional[bytes]:
+        for batch in (self._open, self._committing):
+            if batch is not None:
+                layer = batch.ops.get(db)
+                if layer is not None and key in layer:
+                    return layer[key]
+        return self._rtxn.get(key, db=self._dbs[db])
+
+    def items(self, db: str, lo: bytes, hi: bytes, reverse: bool = False
+              ) -> Iterator[tuple[bytes, bytes]]:
+        """Committed-or-pending items with lo <= key < hi, in key order.
+
+        Consume it without awaiting in between: the view is only consistent
+        within one synchronous stretch of the trio thread.
+        """
+        overlay: dict[bytes, Optional[bytes]] = {}
+        for batch in (self._committing, self._open):   # later layer wins
+            if batch is not None:
+                layer = batch.ops.get(db)
+                if layer is not None:
+                    for k in layer.irange(lo, hi, inclusive=(True, False)):
+                        overlay[k] = layer[k]
+        pending = sorted(overlay, reverse=reverse)
+        yield from self._merge(self._lmdb_items(db, lo, hi, reverse), pending, overlay, reverse)
+
+    @staticmethod
+    def _merge(stored: Iterator[tuple[bytes, bytes]], pending: list[bytes],
+               overlay: dict[bytes, Optional[bytes]], reverse: bool
+               ) -> Iterator[tuple[bytes, bytes]]:
+        i = 0
+        for k, v in stored:
+            while i < len(pending) and (pending[i] > k if reverse else pending[i] < k):
+                pv = overlay[pending[i]]
+                if pv is not None:
+                    yield pending[i], pv
+                i += 1
+            if k in overlay:
+                continue   # the pending value (or deletion) is yielded in its place
+            yield k, v
+        for k in pending[i:]:
+            pv = overlay[k]
+            if pv is not None:
+                yield k, pv
+
+    def _lmdb_items(self, db: str, lo: bytes, hi: bytes, reverse: bool
+                    ) -> Iterator[tuple[bytes, bytes]]:
+        cur = self._rtxn.cursor(self._dbs[db])
+        if not reverse:
+            if not cur.set_range(lo):
+                return
+            for k, v in cur:
+                if k >= hi:
+                    return
+                yield k, v
+        else:
+            if cur.set_range(hi):
+                ok = cur.prev()
+            else:
+                ok = cur.last()
+            while ok:
+                k = cur.key()
+                if k < lo:
+                    return
+                yield k, cur.value()
+                ok = cur.prev()
+
+    # ---------------------------------------------------------------- writes
+
+    def put(self, db: str, key: bytes, value: bytes) -> None:
+        self._layer(db)[key] = value
+
+    def delete(self, db: str, key: bytes) -> None:
+        self._layer(db)[key] = None
+
+    def _layer(self, db: str) -> SortedDict:
+        if self.failure is not None:
+            raise ReadOnly(f"index failed earlier ({self.failure}); filesystem is read-only")
+        layer = self._open.ops.get(db)
+        if layer is None:
+            layer = self._open.ops[db] = SortedDict()
+            self._work.set()
+        return layer
+
+    def persist_before_commit(self, log_off: int, length: int) -> None:
+        """The open batch references these log bytes: persist them first."""
+        self._open.persist_ranges.append((log_off, length))
+
+    def after_durable(self, fn: Callable[[], None]) -> None:
+        """Run fn on the trio thread once the open batch is durable."""
+        self._open.after_durable.append(fn)
+        self._work.set()
+
+    # ---------------------------------------------------------------- commit
+
+    def current_seq(self) -> int:
+        """The batch a caller's changes so far are in (0 = nothing pending)."""
+        return self._open.seq if not self._open.is_empty() else self._open.seq - 1
+
+    def pending_age_s(self) -> float:
+        """How long the oldest not-yet-durable change has waited."""
+        oldest = self._committing or (None if self._open.is_empty() else self._open)
+        return 0.0 if oldest is None else time.monotonic() - oldest.opened_at
+
+    async def wait_durable(self, seq: int) -> None:
+        while self.durable_seq < seq:
+            if self.failure is not None:
+                raise IndexFailure(f"commit failed: {self.failure}")
+            await self._durable_changed.wait()
+        if self.failure is not None and self.durable_seq < seq:
+            raise IndexFailure(f"commit failed: {self.failure}")
+
+    async def run_committer(self, persist: Callable[[list[tuple[int, int]]], None],
+                            limiter: trio.CapacityLimiter) -> None:
+        """Commit batches one after another until stop() and nothing is left.
+
+        While one batch is being written, new changes gather in the next: that
+        is the group commit.
+        """
+        while True:
+            if self._open.is_empty():
+                if self._stopping:
+                    return
+                await self._work.wait()
+                self._work = trio.Event()
+                continue
+            batch, self._open = self._open, Batch(seq=self._open.seq + 1)
+            self._committing = batch
+            started = time.monotonic()
+            try:
+                await trio.to_thread.run_sync(self._write_batch, batch, persist,
+                                              limiter=limiter)
+            except BaseException as e:  # noqa: BLE001 - any failure makes us read-only
+                if isinstance(e, trio.Cancelled):
+                    raise
+                log.error("index commit of batch %d failed: %s; filesystem is now read-only",
+                          batch.seq, e)
+                self.failure = e
+                self._durable_changed.set()
+                self._durable_changed = trio.Event()
+                return
+            self._renew_read_txn()
+            self._committing = None
+            self.durable_seq = batch.seq
+            self.commits += 1
+            self.commit_seconds_total += time.monotonic() - started
+            for fn in batch.after_durable:
+                fn()
+            self._durable_changed.set()
+            self._durable_changed = trio.Event()
+
+    def stop(self) -> None:
+        """Let run_committer return once everything pending is durable."""
+        self._stopping = True
+        self._work.set()
+
+    def _write_batch(self, batch: Batch, persist: Callable[[list[tuple[int, int]]], None]
+                     ) -> None:
+        """Worker thread: persist log data, then one durable LMDB transaction."""
+        if batch.persist_ranges:
+            persist(batch.persist_ranges)
+        if not batch.ops:
+            return
+        try:
+            with self.env.begin(write=True) as txn:
+                for db_name, layer in batch.ops.items():
+                    db = self._dbs[db_name]
+                    for k, v in layer.items():
+                        if v is None:
+                            txn.delete(k, db=db)
+                        else:
+                            txn.put(k, v, db=db)
+        except lmdb.MapFullError as e:
+            raise NoSpace("index map is full") from e
+
+    def _renew_read_txn(self) -> None:
+        self._rtxn.abort()
+        self._rtxn = self.env.begin()
+
+    def close(self) -> None:
+        """Close the environment. May block (final sync)."""
+        self._rtxn.abort()
+        self.env.sync(True)
+        self.env.close()
+
+    def stats(self) -> dict[str, int]:
+        info = self.env.info()
+        st = self.env.stat()
+        return {"index_map_bytes": info["map_size"],
+                "index_used_bytes": (info["last_pgno"] + 1) * st["psize"]}
+
+
+class DirectTxn:
+    """A write transaction used at start-up, with the same typed helpers."""
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict) -> None:
+        self.txn = txn
+        self.dbs = dbs
+
+    def get(self, db: str, key: bytes) -> Optional[bytes]:
+        return self.txn.get(key, db=self.dbs[db])
+
+    def put(self, db: str, key: bytes, value: bytes) -> None:
+        self.txn.put(key, value, db=self.dbs[db])
+
+    def delete(self, db: str, key: bytes) -> None:
+        self.txn.delete(key, db=self.dbs[db])
+
+    def items(self, db: str, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
+        cur = self.txn.cursor(self.dbs[db])
+        if not cur.set_range(lo):
+            return
+        for k, v in cur:
+            if k >= hi:
+                return
+            yield k, v
+
+
+def new_fs_uuid() -> bytes:
+    return uuidlib.uuid4().bytes
+
+
+# ------------------------------------------------------------- key helpers
+# Typed accessors on top of get/put/items. Both Index and DirectTxn expose
+# get/put/delete/items, so these take either.
+
+def ino_key(ino: int) -> bytes:
+    return _U64.pack(ino)
+
+
+def dirent_key(parent: int, name: bytes) -> bytes:
+    return _U64.pack(parent) + name
+
+
+def dirent_value(ino: int, cookie: int) -> bytes:
+    return _DIRENT.pack(ino, cookie)
+
+
+def dirent_decode(b: bytes) -> tuple[int, int]:
+    return _DIRENT.unpack(b)
+
+
+def dirlist_key(parent: int, cookie: int) -> bytes:
+    return _U64x2.pack(parent, cookie)
+
+
+def dirlist_cookie(key: bytes) -> int:
+    return _U64x2.unpack(key)[1]
+
+
+def extent_key(ino: int, file_off: int) -> bytes:
+    return _U64x2.pack(ino, file_off)
+
+
+def extent_encode(e: Extent) -> bytes:
+    return _EXTENT.pack(e.chunk_no, e.chunk_off, e.length)
+
+
+def extent_decode(key: bytes, value: bytes) -> Extent:
+    file_off = _U64x2.unpack(key)[1]
+    chunk_no, chunk_off, length = _EXTENT.unpack(value)
+    return Extent(file_off, length, chunk_no, chunk_off)
+
+
+def xattr_key(ino: int, name: bytes) -> bytes:
+    return _U64.pack(ino) + name
+
+
+def prefix_range(ino: int) -> tuple[bytes, bytes]:
+    """Keys that start with this inode number: [lo, hi)."""
+    return _U64.pack(ino), _U64.pack(ino + 1)
+
+
+def get_inode(kv, ino: int) -> Optional[Inode]:
+    raw = kv.get("inodes", ino_key(ino))
+    return None if raw is None else Inode.decode(ino, raw)
+
+
+def put_inode(kv, inode: Inode) -> None:
+    kv.put("inodes", ino_key(inode.ino), inode.encode())
+
+
+def get_chunk(kv, chunk_no: int) -> Optional[Chunk]:
+    raw = kv.get("chunks", u64(chunk_no))
+    return None if raw is None else Chunk.decode(chunk_no, raw)
+
+
+def put_chunk(kv, chunk: Chunk) -> None:
+    kv.put("chunks", u64(chunk.chunk_no), chunk.encode())
+    if chunk.kind == CHUNK_LOG:
+        kv.put("logmap", u64(chunk.log_off), u64(chunk.chunk_no))
+
+
+def delete_chunk(kv, chunk: Chunk) -> None:
+    kv.delete("chunks", u64(chunk.chunk_no))
+    if chunk.kind == CHUNK_LOG:
+        kv.delete("logmap", u64(chunk.log_off))
+
+
+def iter_extents(kv, ino: int, start: int = 0, end: int = 1 << 63) -> Iterator[Extent]:
+    """Extents of ino that overlap [start, end), in file order."""
+    lo, hi = prefix_range(ino)
+    # The extent that starts before `start` may still reach into the range.
+    if start > 0 and isinstance(kv, Index):
+        for k, v in kv.items("extents", lo, extent_key(ino, start), reverse=True):
+            e = extent_decode(k, v)
+            if e.end > start:
+                yield e
+            break
+    elif start > 0:
+        for k, v in reversed(list(kv.items("extents", lo, extent_key(ino, start)))):
+            e = extent_decode(k, v)
+            if e.end > start:
+                yield e
+            break
+    for k, v in kv.items("extents", extent_key(ino, start), hi):
+        e = extent_decode(k, v)
+        if e.file_off >= end:
+            return
+        yield e
+
+
+def used_log_ranges(kv) -> Iterator[tuple[int, int, int]]:
+    """(log offset, length, chunk no) of every LOG chunk, in log order."""
+    for k, v in kv.items("logmap", u64(0), u64((1 << 64) - 1)):
+        chunk = get_chunk(kv, read_u64(v))
+        if chunk is None:
+            raise FormatError(f"logmap names missing chunk {read_u64(v)}")
+        yield read_u64(k), chunk.length, chunk.chunk_no

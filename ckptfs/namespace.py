@@ -1,0 +1,344 @@
+"""Inodes, directory entries and attributes, with the POSIX rules for them.
+
+Every method runs synchronously on the trio thread and changes the index's
+open batch, so each operation is atomic (one batch is one LMDB transaction)
+and visible to the next request at once. Permission checks are the kernel's
+(`default_permissions`); this layer enforces what the kernel leaves to the
+filesystem: existence, types, emptiness, name length, link counts.
+
+File bytes are not this module's business: when an inode's last link and
+last user are gone, `Filesystem` asks `FileData` to drop its extents.
+"""
+
+from __future__ import annotations
+
+import stat
+from typing import Iterator, Optional
+
+from . import index as ix
+from .errors import (AlreadyExists, InvalidArgument, IsADirectory, NameTooLong,
+                     NoXattr, NotADirectory, NotEmpty, NotFound, NotPermitted,
+                     StaleHandle, TooManyLinks, ValueTooLarge)
+from .index import ROOT_INO, Index, Inode
+
+NAME_MAX = 255
+XATTR_NAME_MAX = 255
+XATTR_VALUE_MAX = 64 * 1024
+LINK_MAX = 65000
+STATE_DIR_NAME = b".ckptfs"
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+class Namespace:
+    def __init__(self, index: Index) -> None:
+        self.index = index
+
+    # ----------------------------------------------------------------- inodes
+
+    def get(self, ino: int) -> Inode:
+        inode = ix.get_inode(self.index, ino)
+        if inode is None:
+            raise StaleHandle(f"inode {ino} no longer exists")
+        return inode
+
+    def put(self, inode: Inode) -> None:
+        ix.put_inode(self.index, inode)
+
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        self._check_name(name)
+        if name == b".":
+            return self.get(parent)
+        if name == b"..":
+            return self.get(self._dir(parent).parent)
+        raw = self.index.get("dirents", ix.dirent_key(parent, name))
+        if raw is None:
+            self._dir(parent)
+            raise NotFound(f"{name!r} not in directory {parent}")
+        return self.get(ix.dirent_decode(raw)[0])
+
+    def _dir(self, ino: int) -> Inode:
+        inode = self.get(ino)
+        if not stat.S_ISDIR(inode.mode):
+            raise NotADirectory(f"inode {ino} is not a directory")
+        return inode
+
+    @staticmethod
+    def _check_name(name: bytes) -> None:
+        if len(name) > NAME_MAX:
+            raise NameTooLong(f"name of {len(name)} bytes")
+
+    def _check_new_name(self, parent: int, name: bytes) -> None:
+        self._check_name(name)
+        if name in (b".", b"..", b"") or b"/" in name:
+            raise InvalidArgument(f"bad name {name!r}")
+        if parent == ROOT_INO and name == STATE_DIR_NAME:
+            # The state directory below the mount is never part of the namespace.
+            raise NotPermitted("'.ckptfs' at the top of a ckptfs mount is reserved")
+
+    # ---------------------------------------------------------------- create
+
+    def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, now_ns: int,
+               rdev: int = 0, target: Optional[bytes] = None) -> Inode:
+        """Make a file, directory, symlink or device node named name in parent."""
+        self._check_new_name(parent, name)
+        pdir = self._dir(parent)
+        if self.index.get("dirents", ix.dirent_key(parent, name)) is not None:
+            raise AlreadyExists(f"{name!r} exists in directory {parent}")
+        if pdir.mode & stat.S_ISGID:
+            # BSD group semantics on setgid directories, as ext4 does.
+            gid = pdir.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        is_dir = stat.S_ISDIR(mode)
+        if is_dir and pdir.nlink >= LINK_MAX:
+            raise TooManyLinks(f"directory {parent} has too many subdirectories")
+        ino = self.index.allocate_id(b"next_ino")
+        inode = Inode(ino, mode, 2 if is_dir else 1, uid, gid, rdev=rdev,
+                      atime_ns=now_ns, mtime_ns=now_ns, ctime_ns=now_ns,
+                      parent=parent if is_dir else 0)
+        if target is not None:
+            inode.size = len(target)
+            self.index.put("symlinks", ix.ino_key(ino), target)
+        self.put(inode)
+        self._add_entry(pdir, name, ino, now_ns, subdir=is_dir)
+        return inode
+
+    def _add_entry(self, pdir: Inode, name: bytes, ino: int, now_ns: int, subdir: bool) -> None:
+        cookie = self.index.allocate_id(b"next_cookie")
+        self.index.put("dirents", ix.dirent_key(pdir.ino, name), ix.dirent_value(ino, cookie))
+        self.index.put("dirlist", ix.dirlist_key(pdir.ino, cookie), name)
+        if subdir:
+            pdir.nlink += 1
+        pdir.mtime_ns = pdir.ctime_ns = now_ns
+        self.put(pdir)
+
+    def _remove_entry(self, pdir: Inode, name: bytes, now_ns: int, subdir: bool) -> None:
+        raw = self.index.get("dirents", ix.dirent_key(pdir.ino, name))
+        assert raw is not None
+        _, cookie = ix.dirent_decode(raw)
+        self.index.delete("dirents", ix.dirent_key(pdir.ino, name))
+        self.index.delete("dirlist", ix.dirlist_key(pdir.ino, cookie))
+        if subdir:
+            pdir.nlink -= 1
+        pdir.mtime_ns = pdir.ctime_ns = now_ns
+        self.put(pdir)
+
+    def link(self, ino: int, parent: int, name: bytes, now_ns: int) -> Inode:
+        self._check_new_name(parent, name)
+        inode = self.get(ino)
+        if stat.S_ISDIR(inode.mode):
+            raise NotPermitted("hard links to directories are not allowed")
+        if inode.nlink == 0:
+            raise NotFound(f"inode {ino} was unlinked")
+        if inode.nlink >= LINK_MAX:
+            raise TooManyLinks(f"inode {ino} has {inode.nlink} links")
+        pdir = self._dir(parent)
+        if self.index.get("dirents", ix.dirent_key(parent, name)) is not None:
+            raise AlreadyExists(f"{name!r} exists in directory {parent}")
+        inode.nlink += 1
+        inode.ctime_ns = now_ns
+        self.put(inode)
+        self._add_entry(pdir, name, ino, now_ns, subdir=False)
+        return inode
+
+    # ---------------------------------------------------------------- remove
+
+    def unlink(self, parent: int, name: bytes, now_ns: int) -> Inode:
+        """Remove a non-directory entry; return the inode with its new nlink."""
+        pdir = self._dir(parent)
+        child = self.lookup(parent, name)
+        if stat.S_ISDIR(child.mode):
+            raise IsADirectory(f"{name!r} is a directory")
+        self._remove_entry(pdir, name, now_ns, subdir=False)
+        return self._drop_link(child, now_ns)
+
+    def rmdir(self, parent: int, name: bytes, now_ns: int) -> Inode:
+        if name == b".":
+            raise InvalidArgument("rmdir of '.'")
+        if name == b"..":
+            raise NotEmpty("rmdir of '..'")
+        pdir = self._dir(parent)
+        child = self.lookup(parent, name)
+        if not stat.S_ISDIR(child.mode):
+            raise NotADirectory(f"{name!r} is not a directory")
+        self._check_empty(child.ino)
+        self._remove_entry(pdir, name, now_ns, subdir=True)
+        child.nlink = 0
+        child.ctime_ns = now_ns
+        self.put(child)
+        self.index.put("orphans", ix.ino_key(child.ino), b"")
+        return child
+
+    def _check_empty(self, ino: int) -> None:
+        lo, hi = ix.prefix_range(ino)
+        for _ in self.index.items("dirlist", lo, hi):
+            raise NotEmpty(f"directory {ino} is not empty")
+
+    def _drop_link(self, inode: Inode, now_ns: int) -> Inode:
+        inode.nlink -= 1
+        inode.ctime_ns = now_ns
+        self.put(inode)
+        if inode.nlink == 0:
+            # Kept until the last open handle and kernel reference are gone;
+            # the orphan record lets the next mount finish the job after a crash.
+            self.index.put("orphans", ix.ino_key(inode.ino), b"")
+        return inode
+
+    def delete_inode(self, ino: int) -> None:
+        """Drop an unlinked inode's record, xattrs and symlink target."""
+        key = ix.ino_key(ino)
+        self.index.delete("inodes", key)
+        self.index.delete("symlinks", key)
+        self.index.delete("orphans", key)
+        lo, hi = ix.prefix_range(ino)
+        for k, _ in list(self.index.items("xattrs", lo, hi)):
+            self.index.delete("xattrs", k)
+
+    def orphans(self) -> list[int]:
+        return [ix.read_u64(k) for k, _ in
+                self.index.items("orphans", ix.u64(0), ix.u64((1 << 64) - 1))]
+
+    # ---------------------------------------------------------------- rename
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+               flags: int, now_ns: int) -> Optional[Inode]:
+        """Move an entry; return the inode it replaced (its nlink already dropped)."""
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == (RENAME_NOREPLACE | RENAME_EXCHANGE):
+            raise InvalidArgument(f"rename flags {flags:#x}")
+        self._check_new_name(new_parent, new_name)
+        src_dir = self._dir(old_parent)
+        dst_dir = src_dir if new_parent == old_parent else self._dir(new_parent)
+        src = self.lookup(old_parent, old_name)
+        raw = self.index.get("dirents", ix.dirent_key(new_parent, new_name))
+        dst = None if raw is None else self.get(ix.dirent_decode(raw)[0])
+        src_is_dir = stat.S_ISDIR(src.mode)
+        if src_is_dir and new_parent != old_parent:
+            self._check_not_ancestor(src.ino, new_parent)
+
+        if flags & RENAME_EXCHANGE:
+            if dst is None:
+                raise NotFound(f"{new_name!r} does not exist for RENAME_EXCHANGE")
+            self._exchange(src_dir, old_name, src, dst_dir, new_name, dst, now_ns)
+            return None
+        if dst is not None and flags & RENAME_NOREPLACE:
+            raise AlreadyExists(f"{new_name!r} exists")
+        if dst is not None and dst.ino == src.ino:
+            return None     # POSIX: renaming a link onto itself does nothing
+        if dst is not None:
+            dst_is_dir = stat.S_ISDIR(dst.mode)
+            if src_is_dir and not dst_is_dir:
+                raise NotADirectory(f"{new_name!r} is not a directory")
+            if dst_is_dir and not src_is_dir:
+                raise IsADirectory(f"{new_name!r} is a directory")
+            if dst_is_dir:
+                self._check_empty(dst.ino)
+
+        self._remove_entry(src_dir, old_name, now_ns, subdir=src_is_dir)
+        if dst_dir.ino == src_dir.ino:
+            dst_dir = src_dir
+        replaced = None
+        if dst is not None:
+            self._remove_entry(dst_dir, new_name, now_ns, subdir=stat.S_ISDIR(dst.mode))
+            if stat.S_ISDIR(dst.mode):
+                dst.nlink = 0
+                dst.ctime_ns = now_ns
+                self.put(dst)
+                self.index.put("orphans", ix.ino_key(dst.ino), b"")
+                replaced = dst
+            else:
+                replaced = self._drop_link(dst, now_ns)
+        self._add_entry(dst_dir, new_name, src.ino, now_ns, subdir=src_is_dir)
+        src = self.get(src.ino)
+        src.ctime_ns = now_ns
+        if src_is_dir:
+            src.parent = dst_dir.ino
+        self.put(src)
+        return replaced
+
+    def _exchange(self, a_dir: Inode, a_name: bytes, a: Inode, b_dir: Inode, b_name: bytes,
+                  b: Inode, now_ns: int) -> None:
+        if stat.S_ISDIR(b.mode) and a_dir.ino != b_dir.ino:
+            self._check_not_ancestor(b.ino, a_dir.ino)
+        for d, name, ino in ((a_dir, a_name, b.ino), (b_dir, b_name, a.ino)):
+            raw = self.index.get("dirents", ix.dirent_key(d.ino, name))
+            _, cookie = ix.dirent_decode(raw)
+            self.index.put("dirents", ix.dirent_key(d.ino, name), ix.dirent_value(ino, cookie))
+        if a_dir.ino != b_dir.ino:
+            a_sub, b_sub = stat.S_ISDIR(a.mode), stat.S_ISDIR(b.mode)
+            a_dir.nlink += b_sub - a_sub
+            b_dir.nlink += a_sub - b_sub
+            if a_sub:
+                a.parent = b_dir.ino
+            if b_sub:
+                b.parent = a_dir.ino
+        for d in (a_dir, b_dir):
+            d.mtime_ns = d.ctime_ns = now_ns
+            self.put(d)
+        for n in (a, b):
+            n.ctime_ns = now_ns
+            self.put(n)
+
+    def _check_not_ancestor(self, ino: int, new_parent: int) -> None:
+        cur = new_parent
+        while True:
+            if cur == ino:
+                raise InvalidArgument("cannot move a directory into itself")
+            if cur == ROOT_INO:
+                return
+            cur = self.get(cur).parent
+
+    # --------------------------------------------------------------- readdir
+
+    def entries(self, parent: int, after_cookie: int) -> Iterator[tuple[bytes, int, int]]:
+        """(name, ino, cookie) in cookie order, after the given cookie."""
+        lo = ix.dirlist_key(parent, after_cookie + 1)
+        _, hi = ix.prefix_range(parent)
+        for k, name in self.index.items("dirlist", lo, hi):
+            raw = self.index.get("dirents", ix.dirent_key(parent, name))
+            if raw is None:
+                continue
+            yield name, ix.dirent_decode(raw)[0], ix.dirlist_cookie(k)
+
+    # ----------------------------------------------------------------- links
+
+    def readlink(self, ino: int) -> bytes:
+        target = self.index.get("symlinks", ix.ino_key(ino))
+        if target is None:
+            raise InvalidArgument(f"inode {ino} is not a symlink")
+        return target
+
+    # ----------------------------------------------------------------- xattrs
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        self.get(ino)
+        value = self.index.get("xattrs", ix.xattr_key(ino, name))
+        if value is None:
+            raise NoXattr(f"no xattr {name!r} on inode {ino}")
+        return value
+
+    def setxattr(self, ino: int, name: bytes, value: bytes, now_ns: int) -> None:
+        if not name or len(name) > XATTR_NAME_MAX:
+            raise InvalidArgument(f"xattr name of {len(name)} bytes") if not name else \
+                NameTooLong(f"xattr name of {len(name)} bytes")
+        if len(value) > XATTR_VALUE_MAX:
+            raise ValueTooLarge(f"xattr value of {len(value)} bytes")
+        inode = self.get(ino)
+        self.index.put("xattrs", ix.xattr_key(ino, name), value)
+        inode.ctime_ns = now_ns
+        self.put(inode)
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        self.get(ino)
+        lo, hi = ix.prefix_range(ino)
+        return [k[8:] for k, _ in self.index.items("xattrs", lo, hi)]
+
+    def removexattr(self, ino: int, name: bytes, now_ns: int) -> None:
+        inode = self.get(ino)
+        key = ix.xattr_key(ino, name)
+        if self.index.get("xattrs", key) is None:
+            raise NoXattr(f"no xattr {name!r} on inode {ino}")
+        self.index.delete("xattrs", key)
+        inode.ctime_ns = now_ns
+        self.put(inode)
+

@@ -1,0 +1,121 @@
+"""Typed wrapper over the cffi extension ``ckptfs._native``.
+
+The rest of the package imports this module, never ``_native`` itself.  Every
+C call releases the GIL (cffi API mode), so checksums and flushes of large
+buffers do not stall the event loop's other threads.  Buffer arguments take
+any contiguous buffer-protocol object: bytes, bytearray, memoryview, mmap.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    if sys.version_info >= (3, 12):
+        from collections.abc import Buffer
+    else:
+        from typing_extensions import Buffer
+
+try:
+    from ckptfs._native import ffi, lib
+except ImportError as exc:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "ckptfs._native is not built: run `python ckptfs/_native_build.py` "
+        "or `pip install -e .`"
+    ) from exc
+
+__all__ = [
+    "crc32c",
+    "crc32c_blocks",
+    "flush_instruction",
+    "persist",
+    "copy_nt",
+    "map_log",
+]
+
+# Linux values; Python's mmap module does not export them before 3.13/3.14.
+MAP_SHARED_VALIDATE = 0x03
+MAP_SYNC = 0x80000
+
+_FLUSH_NAMES = {0: "none", 1: "clflush", 2: "clflushopt", 3: "clwb"}
+
+
+def crc32c(data: Buffer, seed: int = 0) -> int:
+    """CRC-32C (Castagnoli) of ``data``; pass a previous result as ``seed`` to chain."""
+    with ffi.from_buffer(data) as buf:
+        return int(lib.ckptfs_crc32c(seed, buf, len(buf)))
+
+
+def crc32c_blocks(data: Buffer, block_size: int) -> bytes:
+    """CRC-32C of each ``block_size`` piece of ``data`` (the last may be short).
+
+    Returns the CRCs packed as little-endian uint32s, 4 bytes per block.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    with ffi.from_buffer(data) as buf:
+        nblocks = -(-len(buf) // block_size)
+        out = ffi.new("uint8_t[]", 4 * nblocks)
+        lib.ckptfs_crc32c_blocks(buf, len(buf), block_size, out)
+    return ffi.buffer(out)[:]
+
+
+def flush_instruction() -> str:
+    """The cache-line flush in use: "clwb", "clflushopt", "clflush", or "none" off x86."""
+    return _FLUSH_NAMES[lib.ckptfs_flush_kind()]
+
+
+def _check_range(size: int, offset: int, length: int) -> None:
+    if offset < 0 or length < 0 or offset + length > size:
+        raise ValueError(f"range [{offset}, {offset + length}) outside mapping of {size} bytes")
+
+
+def persist(mapping: mmap.mmap, offset: int, length: int, dax: bool) -> None:
+    """Make ``mapping[offset:offset + length]`` durable.
+
+    ``dax=True`` (a MAP_SYNC mapping): flush its cache lines with clwb,
+    clflushopt or clflush, then sfence.  ``dax=False``: msync(MS_SYNC) over
+    the pages covering the range.  Raises OSError if msync fails.
+    """
+    _check_range(len(mapping), offset, length)
+    with ffi.from_buffer(mapping) as buf:
+        err = lib.ckptfs_persist(buf + offset, length, 1 if dax else 0)
+    if err:
+        raise OSError(err, os.strerror(err))
+
+
+def copy_nt(mapping: mmap.mmap, offset: int, src: Buffer) -> None:
+    """Copy ``src`` into ``mapping`` at ``offset`` with non-temporal stores.
+
+    Nothing is left dirty in the cache and the copy ends with sfence, so on a
+    DAX mapping the data is durable on return.  ``src`` must not overlap the
+    destination.
+    """
+    with ffi.from_buffer(src) as s:
+        _check_range(len(mapping), offset, len(s))
+        with ffi.from_buffer(mapping, require_writable=True) as dst:
+            lib.ckptfs_copy_nt(dst + offset, s, len(s))
+
+
+def map_log(fd: int, size_bytes: int) -> tuple[mmap.mmap, bool]:
+    """Map the first ``size_bytes`` of ``fd`` read/write, shared.
+
+    Tries MAP_SHARED_VALIDATE | MAP_SYNC first (true DAX: CPU stores reach
+    persistent memory with only cache flushes), else plain MAP_SHARED.
+    Returns ``(mapping, is_dax)``.  The file must already be at least
+    ``size_bytes`` long.
+    """
+    if size_bytes <= 0:  # mmap would take 0 to mean "the whole file"
+        raise ValueError(f"size_bytes must be positive, got {size_bytes}")
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    try:
+        return mmap.mmap(fd, size_bytes, flags=MAP_SHARED_VALIDATE | MAP_SYNC, prot=prot), True
+    except OSError as exc:
+        # EOPNOTSUPP: not a DAX file; EINVAL: kernel without MAP_SHARED_VALIDATE.
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    return mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=prot), False

@@ -1,0 +1,170 @@
+"""Mount options: parsing, validation and the embedded defaults.
+
+One table (`OPTIONS`) lists every option ckptfs understands; `mount.ckptfs
+--help` and the README are written from it. An option not in the table is an
+error, never silently ignored; the generic mount(8) options that make no
+sense for ckptfs (auto, nofail, ...) are accepted because fstab passes them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .errors import UsageError
+
+STATE_DIR = ".ckptfs"
+DEFAULT_PMEM_SIZE_MAX = 8 << 30
+DEFAULT_PMEM_SIZE_MIN = 256 << 20
+
+# name -> (takes a value, help)
+OPTIONS: dict[str, tuple[bool, str]] = {
+    "pmem": (True, "log file or DAX device (default SOURCE/.ckptfs/pmem.log)"),
+    "pmem_size": (True, "log size with K/M/G/T suffix; default for a new log: a quarter of "
+                        "the free space there, between 256M and 8G; an existing log keeps its "
+                        "size unless a larger one is given (it grows)"),
+    "sync": (True, "close (default): close returns once the file's commit is durable; "
+                   "lazy: close returns at once, the commit is durable within lazy_delay"),
+    "lazy_delay": (True, "sync=lazy: seconds a commit may wait to be durable before closes "
+                         "wait for it (default 1)"),
+    "allow_other": (False, "let other users access the mount (needs user_allow_other for "
+                           "non-root)"),
+    "ro": (False, "mount read-only"),
+    "debug": (False, "log every operation's detail (to stderr with -f, else the daemon log)"),
+    "foreground": (False, "same as -f"),
+}
+
+# Generic options mount(8) and fstab hand to every helper.
+PASSED_THROUGH = {"rw", "nosuid", "suid", "nodev", "dev", "noexec", "exec", "noatime",
+                  "atime", "relatime"}
+IGNORED = {"defaults", "auto", "noauto", "nofail", "_netdev", "user", "nouser", "users",
+           "owner", "group", "nocomment"}
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGTP]?)(i?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.match(text)
+    if not m:
+        raise UsageError(f"bad size {text!r} (use a number with an optional K/M/G/T suffix)")
+    shift = " KMGTP".index((m.group(2) or " ").upper()) * 10
+    return int(m.group(1)) << shift
+
+
+@dataclass
+class MountOptions:
+    source: str
+    mountpoint: str
+    pmem: Optional[str] = None
+    pmem_size: Optional[int] = None
+    sync: str = "close"
+    lazy_delay_s: float = 1.0
+    allow_other: bool = False
+    read_only: bool = False
+    debug: bool = False
+    foreground: bool = False
+    kernel_flags: list[str] = field(default_factory=list)
+
+    @property
+    def state_dir(self) -> str:
+        return os.path.join(self.source, STATE_DIR)
+
+    @property
+    def pmem_path(self) -> str:
+        return self.pmem or os.path.join(self.state_dir, "pmem.log")
+
+    @property
+    def index_dir(self) -> str:
+        # Never on the DAX mapping: LMDB needs sector-atomic meta page writes.
+        return os.path.join(self.state_dir, "index")
+
+    def default_pmem_size(self) -> int:
+        where = os.path.dirname(self.pmem_path) or "."
+        free = shutil.disk_usage(where).free
+        size = min(DEFAULT_PMEM_SIZE_MAX, max(DEFAULT_PMEM_SIZE_MIN, free // 4))
+        return size // (1 << 20) * (1 << 20)
+
+    def to_option_string(self) -> str:
+        """Back to -o form, for handing to the daemon process."""
+        parts = []
+        if self.pmem:
+            parts.append(f"pmem={self.pmem}")
+        if self.pmem_size is not None:
+            parts.append(f"pmem_size={self.pmem_size}")
+        parts.append(f"sync={self.sync}")
+        parts.append(f"lazy_delay={self.lazy_delay_s}")
+        for flag, on in (("allow_other", self.allow_other), ("ro", self.read_only),
+                         ("debug", self.debug)):
+            if on:
+                parts.append(flag)
+        parts.extend(self.kernel_flags)
+        return ",".join(parts)
+
+
+def parse_options(source: str, mountpoint: str, option_strings: list[str]) -> MountOptions:
+    """Validate SOURCE, MOUNTPOINT and every -o option; raise UsageError with one line."""
+    source = os.path.abspath(source)
+    mountpoint = os.path.abspath(mountpoint)
+    if not os.path.isdir(source):
+        raise UsageError(f"source {source} is not a directory")
+    if not os.path.isdir(mountpoint):
+        raise UsageError(f"mountpoint {mountpoint} does not exist or is not a directory")
+    opts = MountOptions(source=source, mountpoint=mountpoint)
+    for chunk in option_strings:
+        for item in filter(None, (s.strip() for s in chunk.split(","))):
+            name, eq, value = item.partition("=")
+            _apply(opts, name, value if eq else None, item)
+    return opts
+
+
+def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> None:
+    if name in IGNORED or name.startswith("x-") or name == "comment":
+        return
+    if name in PASSED_THROUGH and value is None:
+        if name != "rw":
+            opts.kernel_flags.append(name)
+        return
+    spec = OPTIONS.get(name)
+    if spec is None:
+        raise UsageError(f"unknown mount option {item!r} (see mount.ckptfs --help)")
+    takes_value, _ = spec
+    if takes_value and not value:
+        raise UsageError(f"mount option {name} needs a value ({name}=...)")
+    if not takes_value and value is not None:
+        raise UsageError(f"mount option {name} takes no value")
+    if name == "pmem":
+        opts.pmem = os.path.abspath(value)
+    elif name == "pmem_size":
+        opts.pmem_size = parse_size(value)
+    elif name == "sync":
+        if value not in ("close", "lazy"):
+            raise UsageError(f"sync must be close or lazy, not {value!r}")
+        opts.sync = value
+    elif name == "lazy_delay":
+        try:
+            opts.lazy_delay_s = float(value)
+        except ValueError:
+            raise UsageError(f"lazy_delay must be a number of seconds, not {value!r}") from None
+        if not 0 < opts.lazy_delay_s <= 3600:
+            raise UsageError("lazy_delay must be between 0 and 3600 seconds")
+    elif name == "allow_other":
+        opts.allow_other = True
+    elif name == "ro":
+        opts.read_only = True
+    elif name == "debug":
+        opts.debug = True
+    elif name == "foreground":
+        opts.foreground = True
+
+
+def options_help() -> str:
+    lines = ["Options (-o NAME[=VALUE],...):"]
+    for name, (takes_value, text) in OPTIONS.items():
+        lines.append(f"  {name + ('=VALUE' if takes_value else ''):<18} {text}")
+    lines.append("  Generic mount options " + ", ".join(sorted(PASSED_THROUGH)) +
+                 " are passed to the kernel; " + ", ".join(sorted(IGNORED)) +
+                 ", x-* and comment= are accepted and ignored.")
+    return "\n".join(lines)

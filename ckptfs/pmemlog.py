@@ -1,0 +1,333 @@
+"""The persistent-memory log: where file data lives while it is hot.
+
+A file (or DAX device) of `size_bytes`, memory-mapped. The first page is a
+superblock; the rest is handed out in page-aligned pieces, each holding one
+chunk record's bytes. The log keeps no headers of its own: the index names
+every record (offset, length, CRC-32C per 64 KiB block), so the free space
+is simply the complement of the index's `logmap` and mount-time recovery
+never scans the log.
+
+Persistence: on a real DAX mapping (MAP_SYNC) stores are non-temporal copies
+and the persist barrier is a cache-line flush plus fence; on an ordinary
+file, stores are pwrite(2) (faster than faulting fresh mmap pages) and the
+barrier is msync(2)/fdatasync(2). Either way the native module does the byte
+work with the GIL released.
+
+Which functions may block: `store`, `persist`, `read_into` and `open`/`close`
+do I/O and belong on a worker thread for anything large. The allocator
+(`allocate`, `release`) is pure bookkeeping for the trio thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import struct
+from typing import Iterable, Optional
+
+from sortedcontainers import SortedDict
+
+from . import native
+from .errors import DamagedData, FormatError, NoSpace
+from .index import CRC_BLOCK_BYTES
+
+log = logging.getLogger(__name__)
+
+PAGE_BYTES = 4096
+SUPERBLOCK_BYTES = PAGE_BYTES
+MAGIC = b"CKPTLOG1"
+_SUPER = struct.Struct("<8sIQ16s")    # magic, version, size, fs uuid; then crc32c
+LOG_VERSION = 1
+_ZEROS = bytes(PAGE_BYTES)
+
+
+def round_up(n: int, to: int = PAGE_BYTES) -> int:
+    return (n + to - 1) // to * to
+
+
+class PmemLog:
+    """A mapped log file with a page-granular free-space allocator."""
+
+    def __init__(self, path: str, fd: int, size_bytes: int, dax: bool, mapping) -> None:
+        self.path = path
+        self.fd = fd
+        self.size_bytes = size_bytes
+        self.dax = dax
+        self.mapping = mapping
+        self._free = SortedDict()        # offset -> length, coalesced
+        self.free_bytes = 0
+        self._cursor = SUPERBLOCK_BYTES  # next-fit keeps writes sequential in the log
+
+    # ------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def open(cls, path: str, size_bytes: Optional[int], fs_uuid: bytes) -> "PmemLog":
+        """Open or create the log. May block (fallocate, fsync).
+
+        size_bytes=None keeps an existing log's size; a larger size grows it;
+        a smaller one is refused (committed data may live at the end).
+        """
+        exists = os.path.exists(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            st = os.fstat(fd)
+            is_device = stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode)
+            current = _device_size(fd) if is_device else st.st_size
+            if not exists or current == 0:
+                if size_bytes is None:
+                    raise FormatError(f"{path}: no pmem_size given for a new log")
+                size_bytes = cls._check_size(size_bytes)
+                if not is_device:
+                    _preallocate(fd, size_bytes, path)
+                cls._write_superblock(fd, size_bytes, fs_uuid)
+            else:
+                stored_size, stored_uuid = cls._read_superblock(fd, path)
+                if stored_uuid != fs_uuid:
+                    raise FormatError(f"{path} belongs to another ckptfs filesystem")
+                if size_bytes is None or size_bytes == stored_size:
+                    size_bytes = stored_size
+                elif size_bytes < stored_size:
+                    raise FormatError(f"{path}: pmem_size {size_bytes} is smaller than the "
+                                      f"log's {stored_size}; shrinking is not supported")
+                else:
+                    size_bytes = cls._check_size(size_bytes)
+                    if is_device and size_bytes > current:
+                        raise FormatError(f"{path}: device holds only {current} bytes")
+                    if not is_device:
+                        _preallocate(fd, size_bytes, path)
+                    cls._write_superblock(fd, size_bytes, fs_uuid)
+                    log.info("grew log %s from %d to %d bytes", path, stored_size, size_bytes)
+            mapping, dax = native.map_log(fd, size_bytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        log.debug("log %s: %d bytes, dax=%s, flush=%s", path, size_bytes, dax,
+                  native.flush_instruction())
+        return cls(path, fd, size_bytes, dax, mapping)
+
+    @staticmethod
+    def _check_size(size_bytes: int) -> int:
+        if size_bytes < 16 * PAGE_BYTES:
+            raise FormatError(f"pmem_size {size_bytes} is too small (minimum {16 * PAGE_BYTES})")
+        return size_bytes // PAGE_BYTES * PAGE_BYTES
+
+    @staticmethod
+    def _write_superblock(fd: int, size_bytes: int, fs_uuid: bytes) -> None:
+        body = _SUPER.pack(MAGIC, LOG_VERSION, size_bytes, fs_uuid)
+        block = body + struct.pack("<I", native.crc32c(body))
+        os.pwrite(fd, block.ljust(SUPERBLOCK_BYTES, b"\0"), 0)
+        os.fsync(fd)
+
+    @staticmethod
+    def _read_superblock(fd: int, path: str) -> tuple[int, bytes]:
+        raw = os.pread(fd, _SUPER.size + 4, 0)
+        if len(raw) < _SUPER.size + 4:
+            raise FormatError(f"{path} is not a ckptfs log (too short)")
+        magic, version, size_bytes, fs_uuid = _SUPER.unpack_from(raw)
+        if magic != MAGIC:
+            raise FormatError(f"{path} is not a ckptfs log (bad magic)")
+        (crc,) = struct.unpack_from("<I", raw, _SUPER.size)
+        if crc != native.crc32c(raw[:_SUPER.size]):
+            raise FormatError(f"{path}: log superblock is damaged")
+        if version != LOG_VERSION:
+            raise FormatError(f"{path}: log version {version} is not supported")
+        return size_bytes, fs_uuid
+
+    def close(self) -> None:
+        try:
+            self.mapping.close()
+        finally:
+            os.close(self.fd)
+
+    # ------------------------------------------------------------ allocator
+
+    def init_free_space(self, used: Iterable[tuple[int, int]]) -> None:
+        """Free space := data area minus `used` (offset, length), in log order."""
+        self._free.clear()
+        pos = SUPERBLOCK_BYTES
+        for off, length in used:
+            if off < pos or off + length > self.size_bytes:
+                raise FormatError(f"log record at {off}+{length} overlaps another or the end")
+            if off > pos:
+                self._free[pos] = off - pos
+            pos = off + round_up(length)
+        if pos < self.size_bytes:
+            self._free[pos] = self.size_bytes - pos
+        self.free_bytes = sum(self._free.values())
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.size_bytes - SUPERBLOCK_BYTES
+
+    def allocate(self, nbytes: int) -> list[tuple[int, int]]:
+        """Reserve room for nbytes: a list of (offset, usable length) pieces.
+
+        Next-fit from a cursor so that a stream lands contiguously; when no
+        single hole is big enough the bytes are spread over several. Raises
+        NoSpace (nothing reserved) when the log cannot hold them at all.
+        """
+        need = round_up(nbytes)
+        if need > self.free_bytes:
+            raise NoSpace(f"log full: {nbytes} bytes wanted, {self.free_bytes} free")
+        pieces: list[tuple[int, int]] = []
+        remaining = need
+        while remaining:
+            off, length = self._hole_at_or_after(self._cursor)
+            take = min(length, remaining)
+            del self._free[off]
+            if length > take:
+                self._free[off + take] = length - take
+            self.free_bytes -= take
+            pieces.append((off, take))
+            remaining -= take
+            self._cursor = off + take
+        # The last piece's usable length is what is left of nbytes.
+        used = 0
+        result = []
+        for off, take in pieces:
+            usable = min(take, nbytes - used)
+            result.append((off, usable))
+            used += usable
+        return result
+
+    def _hole_at_or_after(self, pos: int) -> tuple[int, int]:
+        i = self._free.bisect_right(pos) - 1
+        if i >= 0:
+            off = self._free.keys()[i]
+            if off + self._free[off] > pos:
+                return off, self._free[off]
+        i = self._free.bisect_left(pos)
+        if i < len(self._free):
+            off = self._free.keys()[i]
+            return off, self._free[off]
+        off = self._free.keys()[0]    # wrap around
+        return off, self._free[off]
+
+    def release(self, off: int, length: int) -> None:
+        """Give a record's space back. Only for space no durable index names."""
+        size = round_up(length)
+        i = self._free.bisect_left(off)
+        if i > 0:
+            prev = self._free.keys()[i - 1]
+            if prev + self._free[prev] == off:
+                off, size = prev, size + self._free.pop(prev)
+                i -= 1
+        if i < len(self._free):
+            nxt = self._free.keys()[i]
+            if off + size == nxt:
+                size += self._free.pop(nxt)
+        self._free[off] = size
+        self.free_bytes += round_up(length)
+
+    # -------------------------------------------------------------- byte I/O
+
+    def store(self, off: int, data: memoryview) -> bytes:
+        """Write one record's bytes at off; return its per-block CRC-32Cs. May block."""
+        crcs = native.crc32c_blocks(data, CRC_BLOCK_BYTES)
+        self._store(off, data)
+        return crcs
+
+    def _store(self, off: int, data: memoryview) -> None:
+        if self.dax:
+            native.copy_nt(self.mapping, off, data)
+            return
+        pad = round_up(len(data)) - len(data)
+        bufs = [data, _ZEROS[:pad]] if pad else [data]
+        total = len(data) + pad
+        done = 0
+        while done < total:
+            n = os.pwritev(self.fd, bufs, off + done)
+            done += n
+            if done < total:
+                bufs = _advance(bufs, n)
+
+    def persist(self, ranges: list[tuple[int, int]]) -> None:
+        """Make the given log bytes durable. May block.
+
+        On a plain file, several ranges cost one fdatasync (each msync of a
+        range would be its own journal commit).
+        """
+        merged = _merge_ranges(ranges)
+        if not merged:
+            return
+        if not self.dax and len(merged) > 4:
+            os.fdatasync(self.fd)
+            return
+        for off, length in merged:
+            native.persist(self.mapping, off, length, self.dax)
+
+    def read_into(self, out: memoryview, log_off: int, chunk_len: int, crcs: bytes,
+                  chunk_off: int) -> None:
+        """Fill out with chunk bytes [chunk_off, chunk_off+len(out)), verified. May block.
+
+        Reads whole 64 KiB checksum blocks; a block whose CRC does not match
+        raises DamagedData, so wrong bytes are never returned.
+        """
+        n = len(out)
+        b0 = chunk_off // CRC_BLOCK_BYTES
+        b1 = (chunk_off + n - 1) // CRC_BLOCK_BYTES
+        blk_start = b0 * CRC_BLOCK_BYTES
+        blk_end = min((b1 + 1) * CRC_BLOCK_BYTES, chunk_len)
+        direct = blk_start == chunk_off and blk_end == chunk_off + n
+        buf = out if direct else memoryview(bytearray(blk_end - blk_start))
+        self._read_exact(buf, log_off + blk_start)
+        got = native.crc32c_blocks(buf, CRC_BLOCK_BYTES)
+        want = crcs[b0 * 4:(b1 + 1) * 4]
+        if got != want:
+            bad = next(i for i in range(0, len(want), 4) if got[i:i + 4] != want[i:i + 4])
+            raise DamagedData(f"log record at offset {log_off}: checksum mismatch in block "
+                              f"{b0 + bad // 4} (bytes {blk_start + bad // 4 * CRC_BLOCK_BYTES}..)")
+        if not direct:
+            out[:] = buf[chunk_off - blk_start:chunk_off - blk_start + n]
+
+    def _read_exact(self, buf: memoryview, off: int) -> None:
+        if self.dax:
+            buf[:] = self.mapping[off:off + len(buf)]
+            return
+        done = 0
+        while done < len(buf):
+            n = os.preadv(self.fd, [buf[done:]], off + done)
+            if n == 0:
+                raise DamagedData(f"log {self.path} ends before offset {off + done}")
+            done += n
+
+    def read_raw(self, off: int, length: int) -> bytes:
+        """Unverified bytes (fsck and tests). May block."""
+        return os.pread(self.fd, length, off)
+
+
+def _advance(bufs: list, n: int) -> list:
+    out = []
+    for b in bufs:
+        if n >= len(b):
+            n -= len(b)
+            continue
+        out.append(b[n:])
+        n = 0
+    return out
+
+
+def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for off, length in sorted(ranges):
+        if merged and off <= merged[-1][0] + merged[-1][1]:
+            last_off, last_len = merged[-1]
+            merged[-1] = (last_off, max(last_len, off + length - last_off))
+        else:
+            merged.append((off, length))
+    return merged
+
+
+def _device_size(fd: int) -> int:
+    return os.lseek(fd, 0, os.SEEK_END)
+
+
+def _preallocate(fd: int, size_bytes: int, path: str) -> None:
+    """Reserve the log's blocks now so that a full disk cannot fail a write later."""
+    try:
+        os.posix_fallocate(fd, 0, size_bytes)
+    except OSError as e:
+        raise NoSpace(f"cannot reserve {size_bytes} bytes for the log at {path}: "
+                      f"{os.strerror(e.errno)}") from e
+    os.fsync(fd)
