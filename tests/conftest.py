@@ -1,0 +1,175 @@
+"""Shared fixtures: real mounts of the real daemon in temporary directories.
+
+`mounted` starts `mount.ckptfs SRC SRC` (mounted over its own source, as users
+do) and always cleans up, even when a test fails: lazy unmount, then SIGTERM,
+then SIGKILL of the daemon. Generated data stays in pytest's tmp dirs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MOUNT_HELPER = [sys.executable, str(REPO / "mount.ckptfs")]
+CKPTFS = [sys.executable, "-m", "ckptfs.cli"]
+
+
+def run_ckptfs(*args: str, check: bool = True, timeout: float = 120,
+               **kw) -> subprocess.CompletedProcess:
+    res = subprocess.run(CKPTFS + list(args), capture_output=True, text=True, timeout=timeout,
+                         cwd=REPO, **kw)
+    if check and res.returncode != 0:
+        raise AssertionError(f"ckptfs {' '.join(args)} exited {res.returncode}: {res.stderr}")
+    return res
+
+
+def is_mounted(path: Path) -> bool:
+    target = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+def daemon_pid(source: Path) -> Optional[int]:
+    """pid of the daemon serving source, from its lock file (readable when unmounted
+    or when source differs from the mountpoint) or from the process list."""
+    out = subprocess.run(["pgrep", "-f", f"ckptfs.daemon .* {source} "], capture_output=True,
+                         text=True).stdout.split()
+    return int(out[0]) if out else None
+
+
+def force_unmount(path: Path, pid: Optional[int]) -> None:
+    """Lazy unmount, then terminate, then kill: never leave a mount behind."""
+    for _ in range(3):
+        if not is_mounted(path):
+            break
+        subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
+        if is_mounted(path):
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+    if pid is None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+
+
+@dataclass
+class Mount:
+    """A live ckptfs mount of `source` on `path` (the same directory by default)."""
+
+    source: Path
+    path: Path
+    options: list[str] = field(default_factory=list)
+    pid: Optional[int] = None
+
+    def start(self, extra: tuple[str, ...] = ()) -> None:
+        args = MOUNT_HELPER + [str(self.source), str(self.path)]
+        opts = ",".join(self.options + list(extra))
+        if opts:
+            args += ["-o", opts]
+        res = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise AssertionError(f"mount failed ({res.returncode}): {res.stderr.strip()}")
+        assert is_mounted(self.path), "mount.ckptfs returned 0 but nothing is mounted"
+        self.pid = self.stat()["pid"]
+
+    def stat(self) -> dict:
+        return json.loads(run_ckptfs("stat", str(self.path), "--json").stdout)
+
+    def umount(self) -> None:
+        run_ckptfs("umount", str(self.path))
+        assert not is_mounted(self.path)
+        self.pid = None
+
+    def remount(self) -> None:
+        self.umount()
+        self.start()
+
+    def kill(self) -> None:
+        """SIGKILL the daemon and detach the dead mount (a crash)."""
+        assert self.pid is not None
+        os.kill(self.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.02)
+        subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+        self.pid = None
+
+    def fsck(self, *args: str) -> subprocess.CompletedProcess:
+        assert not is_mounted(self.path), "fsck needs the filesystem unmounted"
+        return run_ckptfs("fsck", str(self.source), *args, check=False, timeout=600)
+
+    def cleanup(self) -> None:
+        force_unmount(self.path, self.pid or daemon_pid(self.source))
+
+
+@pytest.fixture
+def make_mount(tmp_path):
+    """Factory: make_mount(options=[...], over_itself=True) -> started Mount."""
+    mounts: list[Mount] = []
+
+    def factory(options: Optional[list[str]] = None, over_itself: bool = True,
+                source: Optional[Path] = None, start: bool = True) -> Mount:
+        src = source or tmp_path / f"ckpt{len(mounts)}"
+        src.mkdir(exist_ok=True)
+        if over_itself:
+            mnt = src
+        else:
+            mnt = tmp_path / f"mnt{len(mounts)}"
+            mnt.mkdir(exist_ok=True)
+        m = Mount(src, mnt, list(options or ["pmem_size=512M"]))
+        mounts.append(m)
+        if start:
+            m.start()
+        return m
+
+    yield factory
+    for m in mounts:
+        m.cleanup()
+
+
+@pytest.fixture
+def mounted(make_mount) -> Mount:
+    """A fresh ckptfs mounted over its own source directory."""
+    return make_mount()
+
+
+@pytest.fixture
+def fsck_clean():
+    """Call at the end of a test that wrote: unmount, fsck must report clean."""
+    def check(m: Mount) -> None:
+        if is_mounted(m.path):
+            m.umount()
+        res = m.fsck()
+        assert res.returncode == 0, f"fsck found problems:\n{res.stdout}\n{res.stderr}"
+    return check
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Belt and braces: nothing mounted by the tests survives the run.
+    with open("/proc/self/mountinfo") as f:
+        leftovers = [line.split()[4] for line in f if "fuse.ckptfs" in line and "/pytest-" in line]
+    for path in leftovers:
+        subprocess.run(["fusermount3", "-u", "-z", path], capture_output=True)
