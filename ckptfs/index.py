@@ -91,6 +91,11 @@ def u64_le(n: int) -> bytes:
     return _LOGLOC.pack(n)
 
 
+def read_counter(kv, name: bytes) -> int:
+    raw = kv.get("meta", name)
+    return _LOGLOC.unpack(raw)[0] if raw else 0
+
+
 def read_u64(b: bytes) -> int:
     return _U64.unpack(b)[0]
 
@@ -240,8 +245,7 @@ class Index:
 
     def _load_counters(self) -> None:
         for name in (b"next_ino", b"next_chunk", b"next_cookie"):
-            raw = self.get("meta", name)
-            self.counters[name] = _LOGLOC.unpack(raw)[0] if raw else 0
+            self.counters[name] = read_counter(self, name)
 
     def allocate_id(self, name: bytes) -> int:
         """Next value of a never-reused counter (next_ino, next_chunk, next_cookie)."""

@@ -1,0 +1,395 @@
+"""fsck: check an unmounted ckptfs, index against log, and mend what can be mended.
+
+Each `check_*` method looks at one invariant of the schema in `index.py` and
+records findings; a finding with a repair is mended under `--repair`, in one
+transaction after all checks ran. What cannot be mended (damaged or missing
+data) is reported and left: reads of it give EIO, never wrong bytes.
+
+Exit codes (cli.ExitCode): 0 clean, 3 problems found and all repaired,
+4 problems left, 1 fsck could not run (e.g. the filesystem is mounted).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import sys
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+from tqdm import tqdm
+
+from . import index as ix
+from .daemon import lock_source
+from .errors import CkptfsError, DamagedData, FormatError, UsageError
+from .index import CHUNK_LOG, CHUNK_SOURCE, ROOT_INO, Chunk, DirectTxn, Extent, Index, Inode
+from .options import parse_options
+from .pmemlog import SUPERBLOCK_BYTES, PmemLog, round_up
+
+log = logging.getLogger(__name__)
+
+MAX = ix.u64((1 << 64) - 1)
+Repair = Callable[[DirectTxn], None]
+
+
+@dataclass
+class Finding:
+    check: str
+    message: str
+    repair: Optional[Repair] = None
+
+
+@dataclass
+class Fsck:
+    index: Index
+    plog: Optional[PmemLog]
+    source_fd: int
+    verify_data: bool = True
+    findings: list[Finding] = field(default_factory=list)
+    # What the scans saw, shared by the checks.
+    inodes: dict[int, Inode] = field(default_factory=dict)
+    chunks: dict[int, Chunk] = field(default_factory=dict)
+    extents: dict[int, list[Extent]] = field(default_factory=lambda: defaultdict(list))
+    links: Counter = field(default_factory=Counter)        # ino -> dirents naming it
+    subdirs: Counter = field(default_factory=Counter)      # dir ino -> child dirs
+    orphans: set[int] = field(default_factory=set)
+
+    def problem(self, check: str, message: str, repair: Optional[Repair] = None) -> None:
+        self.findings.append(Finding(check, message, repair))
+
+    def run(self) -> None:
+        self.load()
+        for check in (self.check_root, self.check_dirents, self.check_link_counts,
+                      self.check_extents, self.check_refcounts, self.check_logmap,
+                      self.check_side_tables, self.check_counters, self.check_data):
+            check()
+
+    # ------------------------------------------------------------------ scan
+
+    def load(self) -> None:
+        kv = self.index
+        for k, v in kv.items("inodes", ix.u64(0), MAX):
+            ino = ix.read_u64(k)
+            self.inodes[ino] = Inode.decode(ino, v)
+        for k, v in kv.items("chunks", ix.u64(0), MAX):
+            chunk_no = ix.read_u64(k)
+            try:
+                self.chunks[chunk_no] = Chunk.decode(chunk_no, v)
+            except FormatError as e:
+                self.problem("chunks", str(e))
+        for k, v in kv.items("extents", ix.u64(0), MAX):
+            e = ix.extent_decode(k, v)
+            self.extents[ix.read_u64(k[:8])].append(e)
+        self.orphans = {ix.read_u64(k) for k, _ in kv.items("orphans", ix.u64(0), MAX)}
+
+    # ---------------------------------------------------------------- checks
+
+    def check_root(self) -> None:
+        root = self.inodes.get(ROOT_INO)
+        if root is None or not stat.S_ISDIR(root.mode):
+            self.problem("root", "root directory is missing or not a directory")
+
+    def check_dirents(self) -> None:
+        kv = self.index
+        cookies: dict[tuple[int, int], bytes] = {}
+        for k, v in kv.items("dirents", ix.u64(0), MAX):
+            parent, name = ix.read_u64(k[:8]), k[8:]
+            ino, cookie = ix.dirent_decode(v)
+            pdir = self.inodes.get(parent)
+            child = self.inodes.get(ino)
+            if pdir is None or not stat.S_ISDIR(pdir.mode) or child is None:
+                what = "missing parent" if pdir is None else (
+                    "parent not a directory" if not stat.S_ISDIR(pdir.mode) else
+                    f"missing inode {ino}")
+                self.problem("dirents", f"entry {name!r} in {parent}: {what}",
+                             _delete_entry(parent, name, cookie))
+                continue
+            cookies[(parent, cookie)] = name
+            self.links[ino] += 1
+            if stat.S_ISDIR(child.mode):
+                self.subdirs[parent] += 1
+                if child.parent != parent:
+                    self.problem("dirents", f"directory {ino} is in {parent} but records "
+                                 f"parent {child.parent}", _set_inode(ino, parent=parent))
+            if kv.get("dirlist", ix.dirlist_key(parent, cookie)) != name:
+                self.problem("dirents", f"entry {name!r} in {parent} is missing from the "
+                             "listing order", _put("dirlist", ix.dirlist_key(parent, cookie), name))
+        for k, name in kv.items("dirlist", ix.u64(0), MAX):
+            parent = ix.read_u64(k[:8])
+            if (parent, ix.dirlist_cookie(k)) not in cookies:
+                self.problem("dirents", f"listing of {parent} names {name!r}, which has no entry",
+                             _delete("dirlist", k))
+
+    def check_link_counts(self) -> None:
+        for ino, inode in self.inodes.items():
+            if ino == ROOT_INO:
+                want = 2 + self.subdirs[ino]
+            elif stat.S_ISDIR(inode.mode):
+                want = (2 + self.subdirs[ino]) if self.links[ino] else 0
+            else:
+                want = self.links[ino]
+            if want == 0 and ino != ROOT_INO:
+                if ino in self.orphans:
+                    self.problem("orphans", f"inode {ino} was unlinked while open and not "
+                                 "purged (crash)", _purge(ino, self))
+                else:
+                    self.problem("link counts", f"inode {ino} is in no directory",
+                                 _to_lost_found(ino, self))
+                continue
+            if inode.nlink != want:
+                self.problem("link counts", f"inode {ino} has nlink {inode.nlink}, "
+                             f"directories say {want}", _set_inode(ino, nlink=want))
+            if ino in self.orphans:
+                self.problem("orphans", f"inode {ino} is listed as orphan but still linked",
+                             _delete("orphans", ix.ino_key(ino)))
+
+    def check_extents(self) -> None:
+        for ino, extents in self.extents.items():
+            inode = self.inodes.get(ino)
+            if inode is None or not stat.S_ISREG(inode.mode):
+                self.problem("extents", f"extents of {'missing' if inode is None else 'non-file'}"
+                             f" inode {ino}", _drop_extents(ino, self))
+                continue
+            end = 0
+            total = 0
+            for e in extents:
+                if e.file_off < end:
+                    self.problem("extents", f"inode {ino}: extents overlap at {e.file_off}")
+                end = e.end
+                total += e.length
+                chunk = self.chunks.get(e.chunk_no)
+                if chunk is None:
+                    self.problem("extents", f"inode {ino} at {e.file_off}: chunk {e.chunk_no} "
+                                 "is missing (reads give EIO)")
+                elif e.chunk_off + e.length > chunk.length:
+                    self.problem("extents", f"inode {ino} at {e.file_off}: reaches past the end "
+                                 f"of chunk {e.chunk_no}")
+            if end > inode.size:
+                self.problem("extents", f"inode {ino}: data reaches {end}, past its size "
+                             f"{inode.size}", _set_inode(ino, size=end))
+            if inode.data_bytes != total:
+                self.problem("extents", f"inode {ino}: data_bytes {inode.data_bytes}, "
+                             f"extents hold {total}", _set_inode(ino, data_bytes=total))
+
+    def check_refcounts(self) -> None:
+        refs: Counter = Counter()
+        for extents in self.extents.values():
+            for e in extents:
+                refs[e.chunk_no] += 1
+        for chunk_no, chunk in self.chunks.items():
+            if chunk.refcount != refs[chunk_no]:
+                fix = _set_refcount(chunk, refs[chunk_no])
+                if refs[chunk_no] == 0:
+                    self.problem("refcounts", f"chunk {chunk_no} is referenced by nothing "
+                                 f"(refcount {chunk.refcount}): leaked space", fix)
+                else:
+                    self.problem("refcounts", f"chunk {chunk_no} has refcount {chunk.refcount},"
+                                 f" extents say {refs[chunk_no]}", fix)
+
+    def check_logmap(self) -> None:
+        logmap = {ix.read_u64(k): ix.read_u64(v)
+                  for k, v in self.index.items("logmap", ix.u64(0), MAX)}
+        size = self.plog.size_bytes if self.plog else 1 << 64
+        end = SUPERBLOCK_BYTES
+        for chunk_no, chunk in sorted(self.chunks.items(), key=lambda kv: kv[1].log_off):
+            if chunk.kind != CHUNK_LOG:
+                continue
+            if logmap.pop(chunk.log_off, None) != chunk_no:
+                self.problem("logmap", f"chunk {chunk_no} is missing from the log map",
+                             _put("logmap", ix.u64(chunk.log_off), ix.u64(chunk_no)))
+            if chunk.log_off < end or chunk.log_off + chunk.length > size:
+                self.problem("logmap", f"chunk {chunk_no} at log offset {chunk.log_off} "
+                             "overlaps another record or the end of the log")
+            end = max(end, chunk.log_off + round_up(chunk.length))
+        for off, chunk_no in logmap.items():
+            self.problem("logmap", f"log map names chunk {chunk_no} at {off}, which does not "
+                         "exist", _delete("logmap", ix.u64(off)))
+
+    def check_side_tables(self) -> None:
+        for table in ("xattrs", "symlinks"):
+            for k, _ in self.index.items(table, ix.u64(0), MAX):
+                ino = ix.read_u64(k[:8])
+                if ino not in self.inodes:
+                    self.problem(table, f"{table} entry for missing inode {ino}",
+                                 _delete(table, k))
+        for ino, inode in self.inodes.items():
+            if stat.S_ISLNK(inode.mode) and self.index.get("symlinks", ix.ino_key(ino)) is None:
+                self.problem("symlinks", f"symlink {ino} has no target")
+
+    def check_counters(self) -> None:
+        for name, seen in ((b"next_ino", max(self.inodes, default=0)),
+                           (b"next_chunk", max(self.chunks, default=0)),
+                           (b"next_cookie", max((ix.dirlist_cookie(k) for k, _ in
+                                                 self.index.items("dirlist", ix.u64(0), MAX)),
+                                                default=0))):
+            value = self.index.counters.get(name, 0)
+            if value <= seen:
+                self.problem("counters", f"{name.decode()} is {value} but {seen} is in use",
+                             _put("meta", name, ix.u64_le(seen + 1)))
+
+    def check_data(self) -> None:
+        """Read every stored byte and verify its checksum (the slow part)."""
+        if not self.verify_data:
+            return
+        chunks = list(self.chunks.values())
+        total = sum(c.length for c in chunks)
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="verifying data",
+                   disable=not sys.stderr.isatty(), file=sys.stderr)
+        with bar:
+            for chunk in chunks:
+                try:
+                    if chunk.kind == CHUNK_LOG and self.plog is not None:
+                        buf = memoryview(bytearray(chunk.length))
+                        self.plog.read_into(buf, chunk.log_off, chunk.length, chunk.crcs, 0)
+                    elif chunk.kind == CHUNK_SOURCE:
+                        st = os.stat(chunk.source_path, dir_fd=self.source_fd)
+                        if st.st_size < chunk.length:
+                            raise DamagedData(f"pre-existing file {chunk.source_path!r} shrank "
+                                              f"to {st.st_size} bytes")
+                except (DamagedData, OSError) as e:
+                    self.problem("data", f"chunk {chunk.chunk_no}: {e} (reads of it give EIO)")
+                bar.update(chunk.length)
+
+
+# ---------------------------------------------------------------- repairs
+
+def _put(db: str, key: bytes, value: bytes) -> Repair:
+    return lambda txn: txn.put(db, key, value)
+
+
+def _delete(db: str, key: bytes) -> Repair:
+    return lambda txn: txn.delete(db, key)
+
+
+def _delete_entry(parent: int, name: bytes, cookie: int) -> Repair:
+    def fix(txn: DirectTxn) -> None:
+        txn.delete("dirents", ix.dirent_key(parent, name))
+        txn.delete("dirlist", ix.dirlist_key(parent, cookie))
+    return fix
+
+
+def _set_inode(ino: int, **fields: int) -> Repair:
+    def fix(txn: DirectTxn) -> None:
+        inode = ix.get_inode(txn, ino)
+        if inode is not None:
+            for k, v in fields.items():
+                setattr(inode, k, v)
+            ix.put_inode(txn, inode)
+    return fix
+
+
+def _set_refcount(chunk: Chunk, refcount: int) -> Repair:
+    def fix(txn: DirectTxn) -> None:
+        if refcount == 0:
+            ix.delete_chunk(txn, chunk)      # its log space is free from the next mount on
+        else:
+            chunk.refcount = refcount
+            ix.put_chunk(txn, chunk)
+    return fix
+
+
+def _drop_extents(ino: int, f: Fsck) -> Repair:
+    def fix(txn: DirectTxn) -> None:
+        for e in f.extents[ino]:
+            txn.delete("extents", ix.extent_key(ino, e.file_off))
+            chunk = ix.get_chunk(txn, e.chunk_no)
+            if chunk is not None:
+                _set_refcount(chunk, chunk.refcount - 1)(txn)
+    return fix
+
+
+def _purge(ino: int, f: Fsck) -> Repair:
+    def fix(txn: DirectTxn) -> None:
+        _drop_extents(ino, f)(txn)
+        for table in ("inodes", "symlinks", "orphans"):
+            txn.delete(table, ix.ino_key(ino))
+        lo, hi = ix.prefix_range(ino)
+        for k, _ in list(txn.items("xattrs", lo, hi)):
+            txn.delete("xattrs", k)
+    return fix
+
+
+def _to_lost_found(ino: int, f: Fsck) -> Repair:
+    """Link an unreachable inode into /lost+found as #INO (like e2fsck)."""
+    def fix(txn: DirectTxn) -> None:
+        counters = {n: ix.read_counter(txn, n) for n in (b"next_ino", b"next_cookie")}
+        raw = txn.get("dirents", ix.dirent_key(ROOT_INO, b"lost+found"))
+        root = ix.get_inode(txn, ROOT_INO)
+        if raw is None:
+            lf_ino = counters[b"next_ino"]
+            counters[b"next_ino"] += 1
+            lf = Inode(lf_ino, 0o40700, 2, 0, 0, mtime_ns=root.mtime_ns, ctime_ns=root.ctime_ns,
+                       atime_ns=root.atime_ns, parent=ROOT_INO)
+            ix.put_inode(txn, lf)
+            _link(txn, root, b"lost+found", lf_ino, counters)
+            root.nlink += 1
+            ix.put_inode(txn, root)
+        else:
+            lf_ino = ix.dirent_decode(raw)[0]
+        lf = ix.get_inode(txn, lf_ino)
+        inode = ix.get_inode(txn, ino)
+        _link(txn, lf, f"#{ino}".encode(), ino, counters)
+        if stat.S_ISDIR(inode.mode):
+            inode.parent = lf_ino
+            inode.nlink = 2 + f.subdirs[ino]
+            lf.nlink += 1
+            ix.put_inode(txn, lf)
+        else:
+            inode.nlink = 1
+        ix.put_inode(txn, inode)
+        for name, value in counters.items():
+            txn.put("meta", name, ix.u64_le(value))
+    return fix
+
+
+def _link(txn: DirectTxn, pdir: Inode, name: bytes, ino: int, counters: dict) -> None:
+    cookie = counters[b"next_cookie"]
+    counters[b"next_cookie"] += 1
+    txn.put("dirents", ix.dirent_key(pdir.ino, name), ix.dirent_value(ino, cookie))
+    txn.put("dirlist", ix.dirlist_key(pdir.ino, cookie), name)
+
+
+# ------------------------------------------------------------------ command
+
+def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
+             verify_data: bool = True, out=None) -> int:
+    """`ckptfs fsck SOURCE`: returns the exit code (see module docstring)."""
+    out = out or sys.stdout
+    opts = parse_options(source, source, list(option_strings))
+    if not os.path.isdir(opts.index_dir):
+        raise UsageError(f"{opts.source} holds no ckptfs (no {opts.index_dir})")
+    lock_fd = lock_source(opts.state_dir)     # refuses while mounted
+    source_fd = os.open(opts.source, os.O_RDONLY | os.O_DIRECTORY)
+    index = Index(opts.index_dir)
+    plog = None
+    try:
+        fs_uuid = index.check_format()
+        try:
+            plog = PmemLog.open(opts.pmem_path, None, fs_uuid) \
+                if os.path.exists(opts.pmem_path) else None
+        except CkptfsError as e:
+            print(f"problem [log] {e}", file=out)
+        checker = Fsck(index, plog, source_fd, verify_data=verify_data)
+        checker.run()
+        for f in checker.findings:
+            print(f"problem [{f.check}] {f.message}", file=out)
+        if not checker.findings:
+            print(f"{opts.source}: clean ({len(checker.inodes)} inodes, "
+                  f"{len(checker.chunks)} chunks)", file=out)
+            return 0
+        fixable = [f for f in checker.findings if f.repair is not None]
+        if repair and fixable:
+            index.write_direct(lambda txn: [f.repair(txn) for f in fixable])
+            print(f"repaired {len(fixable)} of {len(checker.findings)} problems", file=out)
+            return 3 if len(fixable) == len(checker.findings) else 4
+        print(f"{len(checker.findings)} problems ({len(fixable)} repairable with --repair)",
+              file=out)
+        return 4
+    finally:
+        if plog is not None:
+            plog.close()
+        index.close()
+        os.close(source_fd)
+        os.close(lock_fd)
