@@ -252,14 +252,27 @@ def find_mount(mountpoint: str, resolve: bool = True) -> Optional[tuple[str, str
     """
     target = os.path.realpath(mountpoint) if resolve else mountpoint
     found = None
+    for dev, point, source in ckptfs_mounts():
+        if point == target:
+            found = (dev, source)
+    return found
+
+
+def ckptfs_mounts() -> list[tuple[str, str, str]]:
+    """(major:minor, mountpoint, source) of every ckptfs mount, from /proc/self/mountinfo."""
+    mounts = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
             sep = fields.index("-")
-            point = fields[4].encode().decode("unicode_escape")
-            if point == target and fields[sep + 1] == "fuse.ckptfs":
-                found = (fields[2], fields[sep + 2].encode().decode("unicode_escape"))
-    return found
+            if fields[sep + 1] == "fuse.ckptfs":
+                mounts.append((fields[2], _unescape(fields[4]), _unescape(fields[sep + 2])))
+    return mounts
+
+
+def _unescape(field: str) -> str:
+    # mountinfo writes space, tab, newline and backslash as octal escapes.
+    return field.encode().decode("unicode_escape").encode("latin-1").decode(errors="replace")
 
 
 def _report(ready_fd: Optional[int], message: str) -> None:

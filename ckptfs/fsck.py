@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Optional
 from tqdm import tqdm
 
 from . import index as ix
-from .daemon import lock_source
+from .daemon import ckptfs_mounts, lock_source
 from .errors import CkptfsError, DamagedData, FormatError, UsageError
 from .index import CHUNK_LOG, CHUNK_SOURCE, ROOT_INO, Chunk, DirectTxn, Extent, Index, Inode
 from .options import parse_options
@@ -55,6 +55,7 @@ class Fsck:
     links: Counter = field(default_factory=Counter)        # ino -> dirents naming it
     subdirs: Counter = field(default_factory=Counter)      # dir ino -> child dirs
     orphans: set[int] = field(default_factory=set)
+    unreferenced: set[int] = field(default_factory=set)    # chunks no extent names
 
     def problem(self, check: str, message: str, repair: Optional[Repair] = None) -> None:
         self.findings.append(Finding(check, message, repair))
@@ -182,6 +183,7 @@ class Fsck:
             if chunk.refcount != refs[chunk_no]:
                 fix = _set_refcount(chunk, refs[chunk_no])
                 if refs[chunk_no] == 0:
+                    self.unreferenced.add(chunk_no)
                     self.problem("refcounts", f"chunk {chunk_no} is referenced by nothing "
                                  f"(refcount {chunk.refcount}): leaked space", fix)
                 else:
@@ -233,7 +235,8 @@ class Fsck:
         """Read every stored byte and verify its checksum (the slow part)."""
         if not self.verify_data:
             return
-        chunks = list(self.chunks.values())
+        # A leaked chunk's bytes do not matter: repair deletes it.
+        chunks = [c for c in self.chunks.values() if c.chunk_no not in self.unreferenced]
         total = sum(c.length for c in chunks)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="verifying data",
                    disable=not sys.stderr.isatty(), file=sys.stderr)
@@ -358,6 +361,10 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
     """`ckptfs fsck SOURCE`: returns the exit code (see module docstring)."""
     out = out or sys.stdout
     opts = parse_options(source, source, list(option_strings))
+    for _, point, mounted_source in ckptfs_mounts():
+        if mounted_source == os.path.realpath(opts.source):
+            raise UsageError(f"{opts.source} is mounted on {point}: unmount it first "
+                             "(fsck checks an unmounted ckptfs)")
     if not os.path.isdir(opts.index_dir):
         raise UsageError(f"{opts.source} holds no ckptfs (no {opts.index_dir})")
     lock_fd = lock_source(opts.state_dir)     # refuses while mounted

@@ -1,0 +1,174 @@
+"""fsck finds each kind of planted damage, repairs what it can, and says so by exit code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ckptfs import index as ix
+from ckptfs.index import Index
+
+CLEAN, REPAIRED, LEFT = 0, 3, 4
+
+
+@pytest.fixture
+def written(make_mount):
+    """An unmounted ckptfs holding a few files, a hard link, a symlink and an xattr."""
+    m = make_mount(options=["pmem_size=64M"])
+    (m.path / "d").mkdir()
+    (m.path / "d" / "a").write_bytes(b"a" * 5000)
+    os.link(m.path / "d" / "a", m.path / "hard")
+    (m.path / "big").write_bytes(os.urandom(3 << 20))
+    os.symlink("big", m.path / "sym")
+    os.setxattr(m.path / "big", "user.k", b"v")
+    m.umount()
+    assert m.fsck().returncode == CLEAN
+    return m
+
+
+def plant(m, fn) -> None:
+    """Change the index of an unmounted ckptfs behind its back."""
+    index = Index(str(m.source / ".ckptfs" / "index"))
+    try:
+        index.write_direct(fn)
+    finally:
+        index.close()
+
+
+def lookup(txn, parent: int, name: bytes) -> tuple[int, int]:
+    return ix.dirent_decode(txn.get("dirents", ix.dirent_key(parent, name)))
+
+
+def first_chunk(txn, ino: int) -> ix.Chunk:
+    lo, hi = ix.prefix_range(ino)
+    k, v = next(txn.items("extents", lo, hi))
+    return ix.get_chunk(txn, ix.extent_decode(k, v).chunk_no)
+
+
+def expect_repair(m, needle: str) -> None:
+    res = m.fsck()
+    assert res.returncode == LEFT, res.stdout + res.stderr
+    assert needle in res.stdout, res.stdout
+    res = m.fsck("--repair")
+    assert res.returncode == REPAIRED, res.stdout + res.stderr
+    res = m.fsck()
+    assert res.returncode == CLEAN, res.stdout + res.stderr
+
+
+def test_refcount_too_high_is_repaired(written):
+    def bump(txn):
+        chunk = first_chunk(txn, lookup(txn, ix.ROOT_INO, b"big")[0])
+        chunk.refcount += 2
+        ix.put_chunk(txn, chunk)
+    plant(written, bump)
+    expect_repair(written, "[refcounts]")
+
+
+def test_leaked_chunk_is_repaired(written):
+    def leak(txn):
+        ix.put_chunk(txn, ix.Chunk(999, ix.CHUNK_LOG, 1, 4096, log_off=60 << 20,
+                                   crcs=b"\0\0\0\0"))
+        txn.put("meta", b"next_chunk", ix.u64_le(1000))
+    plant(written, leak)
+    expect_repair(written, "referenced by nothing")
+
+
+def test_entry_to_missing_inode_is_removed(written):
+    def dangle(txn):
+        txn.put("dirents", ix.dirent_key(ix.ROOT_INO, b"ghost"), ix.dirent_value(5555, 9999))
+        txn.put("dirlist", ix.dirlist_key(ix.ROOT_INO, 9999), b"ghost")
+        txn.put("meta", b"next_cookie", ix.u64_le(10000))
+    plant(written, dangle)
+    expect_repair(written, "missing inode 5555")
+    written.start()
+    assert "ghost" not in os.listdir(written.path)
+
+
+def test_wrong_link_count_is_fixed(written):
+    def wrong(txn):
+        ino = lookup(txn, ix.ROOT_INO, b"hard")[0]
+        inode = ix.get_inode(txn, ino)
+        inode.nlink = 7
+        ix.put_inode(txn, inode)
+    plant(written, wrong)
+    expect_repair(written, "[link counts]")
+    written.start()
+    assert os.stat(written.path / "hard").st_nlink == 2
+
+
+def test_unreachable_inode_goes_to_lost_found(written):
+    def cut(txn):
+        ino, cookie = lookup(txn, ix.ROOT_INO, b"big")
+        txn.delete("dirents", ix.dirent_key(ix.ROOT_INO, b"big"))
+        txn.delete("dirlist", ix.dirlist_key(ix.ROOT_INO, cookie))
+        cut.ino = ino
+    plant(written, cut)
+    expect_repair(written, "is in no directory")
+    written.start()
+    rescued = written.path / "lost+found" / f"#{cut.ino}"
+    assert rescued.stat().st_size == 3 << 20
+
+
+def test_orphan_left_by_crash_is_purged(written):
+    def orphan(txn):
+        ino, cookie = lookup(txn, ix.ROOT_INO, b"big")
+        txn.delete("dirents", ix.dirent_key(ix.ROOT_INO, b"big"))
+        txn.delete("dirlist", ix.dirlist_key(ix.ROOT_INO, cookie))
+        inode = ix.get_inode(txn, ino)
+        inode.nlink = 0
+        ix.put_inode(txn, inode)
+        txn.put("orphans", ix.ino_key(ino), b"")
+    plant(written, orphan)
+    expect_repair(written, "[orphans]")
+
+
+def test_missing_log_map_entry_is_restored(written):
+    def unmap(txn):
+        chunk = first_chunk(txn, lookup(txn, ix.ROOT_INO, b"big")[0])
+        txn.delete("logmap", ix.u64(chunk.log_off))
+    plant(written, unmap)
+    expect_repair(written, "[logmap]")
+
+
+def test_counter_behind_ids_in_use_is_raised(written):
+    plant(written, lambda txn: txn.put("meta", b"next_ino", ix.u64_le(2)))
+    expect_repair(written, "[counters]")
+
+
+def test_damaged_data_is_reported_not_repaired(written):
+    index = Index(str(written.source / ".ckptfs" / "index"))
+    try:
+        chunk = first_chunk(index, ix.dirent_decode(
+            index.get("dirents", ix.dirent_key(ix.ROOT_INO, b"big")))[0])
+    finally:
+        index.close()
+    log_path = written.source / ".ckptfs" / "pmem.log"
+    with open(log_path, "r+b") as f:
+        f.seek(chunk.log_off + 123)
+        byte = f.read(1)
+        f.seek(chunk.log_off + 123)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    res = written.fsck()
+    assert res.returncode == LEFT and "[data]" in res.stdout, res.stdout
+    res = written.fsck("--repair")
+    assert res.returncode == LEFT, res.stdout
+    written.start()
+    with pytest.raises(OSError) as err:
+        (written.path / "big").read_bytes()
+    assert err.value.errno == 5
+    assert (written.path / "d" / "a").read_bytes() == b"a" * 5000
+
+
+def test_fsck_refuses_a_mounted_filesystem(mounted):
+    from conftest import run_ckptfs
+    res = run_ckptfs("fsck", str(mounted.source), check=False)
+    assert res.returncode == 2 and "unmount it first" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_fsck_of_a_plain_directory_is_a_usage_error(tmp_path: Path):
+    from conftest import run_ckptfs
+    res = run_ckptfs("fsck", str(tmp_path), check=False)
+    assert res.returncode == 2 and "holds no ckptfs" in res.stderr
