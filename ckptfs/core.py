@@ -341,9 +341,11 @@ class Filesystem:
         await self.index.wait_durable(seq)
 
     async def sync_all(self) -> None:
-        """fsyncdir, syncfs: everything so far durable (open files' data included)."""
-        for ino in list(self.files.dirty):
-            await self._commit(ino)
+        """fsyncdir and `ckptfs sync`: every change made so far durable.
+
+        Files still open keep their uncommitted bytes out of it: committing
+        them here would publish half-written checkpoints.
+        """
         await self.index.wait_durable(self.index.current_seq())
 
     async def _wait_per_policy(self, seq: int) -> None:
