@@ -1,9 +1,10 @@
 """Typed wrapper over the cffi extension ``ckptfs._native``.
 
 The rest of the package imports this module, never ``_native`` itself.  Every
-C call releases the GIL (cffi API mode), so checksums and flushes of large
-buffers do not stall the event loop's other threads.  Buffer arguments take
-any contiguous buffer-protocol object: bytes, bytearray, memoryview, mmap.
+C call releases the GIL (cffi API mode), so checksums, flushes and chunking
+scans of large buffers do not stall the event loop's other threads.  Buffer
+arguments take any contiguous buffer-protocol object: bytes, bytearray,
+memoryview, mmap.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ __all__ = [
     "persist",
     "copy_nt",
     "map_log",
+    "GearScanner",
+    "gear_cut_points",
+    "find4",
 ]
 
 # Linux values; Python's mmap module does not export them before 3.13/3.14.
@@ -119,3 +123,99 @@ def map_log(fd: int, size_bytes: int) -> tuple[mmap.mmap, bool]:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
     return mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=prot), False
+
+
+# ---- content-defined chunking ---------------------------------------------------
+
+# Cut offsets returned per C call; a scan that finds more simply calls again.
+_CUTS_PER_CALL = 1024
+
+
+def check_gear_sizes(min_size: int, avg_size: int, max_size: int) -> None:
+    """Raise ValueError unless the sizes are valid for the gear scan."""
+    if not 64 <= min_size <= avg_size <= max_size:
+        raise ValueError(
+            f"need 64 <= min_size <= avg_size <= max_size, got {min_size}/{avg_size}/{max_size}"
+        )
+    if avg_size & (avg_size - 1) or avg_size > 1 << 40:
+        raise ValueError(f"avg_size must be a power of two <= 2**40, got {avg_size}")
+
+
+class GearScanner:
+    """Streaming gear-hash cut-point scan over one byte stream.
+
+    Feed the stream's bytes in order with :meth:`scan`; each call returns the
+    end offsets (relative to that call's buffer) of the chunks that end inside
+    it.  Nothing is copied or kept: the scanner carries only the running hash
+    and the length of the pending chunk, so a chunk may span any number of
+    calls.  :meth:`reset` starts a new chunk here (a forced cut).  The cut rule
+    is in native/ckptfs_native.h.  One scanner per stream; not thread-safe.
+    """
+
+    __slots__ = ("min_size", "avg_size", "max_size", "_state", "_cuts")
+
+    def __init__(self, min_size: int, avg_size: int, max_size: int) -> None:
+        check_gear_sizes(min_size, avg_size, max_size)
+        self.min_size = min_size
+        self.avg_size = avg_size
+        self.max_size = max_size
+        self._state = ffi.new("ckptfs_gear_state *")
+        self._cuts = ffi.new("size_t[]", _CUTS_PER_CALL)
+
+    @property
+    def pending(self) -> int:
+        """Bytes of the current chunk scanned so far (0 right after a cut)."""
+        return int(self._state.pending)
+
+    def reset(self) -> None:
+        """Forget the pending chunk: the next byte starts a new one."""
+        self._state.hash = 0
+        self._state.pending = 0
+
+    def scan(self, data: Buffer) -> list[int]:
+        """Continue the stream with ``data``; return the chunk ends found in it."""
+        out: list[int] = []
+        with ffi.from_buffer(data) as buf:
+            size = len(buf)
+            base = 0
+            while True:
+                n = lib.ckptfs_gear_cuts(
+                    self._state, buf + base, size - base,
+                    self.min_size, self.avg_size, self.max_size,
+                    self._cuts, _CUTS_PER_CALL,
+                )
+                cuts = ffi.unpack(self._cuts, n)
+                out.extend(cuts if base == 0 else [base + c for c in cuts])
+                if n < _CUTS_PER_CALL:
+                    return out
+                base += cuts[-1]
+
+
+def gear_cut_points(data: Buffer, min_size: int, avg_size: int, max_size: int) -> list[int]:
+    """Content-defined chunk ends of ``data`` taken as a whole stream.
+
+    Returns the end offset of every chunk in order, the last one always
+    ``len(data)`` (empty data: no chunks).  Every chunk is ``min_size`` to
+    ``max_size`` bytes except possibly the last.
+    """
+    scanner = GearScanner(min_size, avg_size, max_size)
+    cuts = scanner.scan(data)
+    if scanner.pending:
+        cuts.append(memoryview(data).nbytes)
+    return cuts
+
+
+def find4(data: Buffer, needle: bytes, start: int = 0, end: int | None = None) -> int:
+    """Lowest offset >= ``start`` where the 4-byte ``needle`` lies wholly
+    inside ``data[start:end]``, or -1: ``bytes.find`` for any buffer, without
+    negative indices (``start`` and ``end`` are clamped to the buffer)."""
+    if len(needle) != 4:
+        raise ValueError("needle must be 4 bytes")
+    with ffi.from_buffer(data) as buf:
+        size = len(buf)
+        stop = size if end is None else max(0, min(end, size))
+        start = max(0, start)
+        if stop - start < 4:
+            return -1
+        i = lib.ckptfs_find4(buf + start, stop - start, needle)
+    return -1 if i == stop - start else start + i

@@ -1,4 +1,5 @@
-/* Native helpers for ckptfs: CRC-32C and persistent-memory primitives.
+/* Native helpers for ckptfs: CRC-32C, persistent-memory primitives and the
+ * content-defined chunking scan.
  *
  * Plain C11: raw pointers and lengths, no Python state, so cffi can call
  * every function with the GIL released.  ckptfs/_native_build.py feeds this
@@ -38,5 +39,50 @@ int ckptfs_persist(void *addr, size_t len, int dax);
  * unaligned head and tail are stored normally and flushed.  Ends with sfence.
  * The ranges must not overlap.  Plain memcpy when not on x86-64. */
 void ckptfs_copy_nt(void *dst, const void *src, size_t len);
+
+/* ---- content-defined chunking --------------------------------------------
+ *
+ * FastCDC-style gear hash with normalized chunking (two masks, level 2).  The
+ * cut rule, which fixes where chunks end and so is part of the chunk format:
+ *
+ *   h(j) = sum over k = 0..63 of gear[x[j - k]] << k  (mod 2^64), the gear
+ *   hash of the 64 bytes ending at byte j of the chunk; b = log2(avg_size).
+ *   A chunk starting at x[0] has the smallest length L, min <= L <= max, with
+ *     h(L - 1) < 2^(64 - b - 2)   when L < avg_size   (harder: 1 in 4 * avg)
+ *     h(L - 1) < 2^(64 - b + 2)   when L >= avg_size  (easier: 1 in avg / 4)
+ *     or L == max_size;
+ *   the stream's last chunk may be shorter than min_size.
+ *
+ * h depends on the last 64 bytes only, so a chunk's end is found without
+ * looking before its start (min_size >= 64) and the first min_size - 64
+ * bytes of every chunk are skipped unhashed.  gear[] is the first 256 outputs
+ * of splitmix64 seeded with 0x636b707466734344 ("ckptfsCD").
+ *
+ * Streaming: the caller keeps one state per stream, zeroed at the start and
+ * again at every forced cut (a tensor boundary: the caller ends the chunk
+ * there itself and restarts the scan), and passes each new buffer as it comes;
+ * no byte is passed twice and none needs to be kept.  The state holds the
+ * position inside the pending chunk and the running hash. */
+typedef struct {
+    uint64_t hash;    /* running gear hash, once near or past min_size */
+    uint64_t pending; /* bytes of the pending, not yet cut, chunk seen so far */
+} ckptfs_gear_state;
+
+/* Scan buf for cut points, continuing the stream described by *state.  Stores
+ * the end offset (relative to buf, in (0, len]) of each chunk that ends in buf
+ * into cuts and returns how many; the bytes after the last cut begin the
+ * pending chunk, recorded in *state.  At most max_cuts are stored: a return of
+ * max_cuts may mean the scan stopped early, right after the last cut (state
+ * then describes an empty pending chunk), and the caller continues with
+ * buf + cuts[max_cuts - 1].  len / min_size + 1 entries always suffice.
+ * Requires 64 <= min_size <= avg_size <= max_size and avg_size a power of two
+ * in [64, 2^40]; returns SIZE_MAX (touching nothing) otherwise. */
+size_t ckptfs_gear_cuts(ckptfs_gear_state *state, const void *buf, size_t len,
+                        size_t min_size, size_t avg_size, size_t max_size,
+                        size_t *cuts, size_t max_cuts);
+
+/* Offset of the first occurrence of the 4-byte needle in buf, or len if there
+ * is none.  SSE2; the format hint parser's search for zip data descriptors. */
+size_t ckptfs_find4(const void *buf, size_t len, const void *needle);
 
 #endif

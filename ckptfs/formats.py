@@ -1,0 +1,405 @@
+"""Format hints for chunking: where checkpoint files keep their tensors.
+
+The chunker cuts every stream content-defined; where the format tells where
+tensors start and end it also forces cuts there, so a small changed tensor
+never drags the bytes of an unchanged neighbour into a new chunk.  Hints only
+move chunk boundaries: a wrong or missed hint costs dedup, never data.
+
+Two formats, both readable from the front as the bytes stream in:
+
+* safetensors: an 8-byte little-endian header length ``n``, then ``n`` bytes of
+  JSON whose entries give each tensor's ``data_offsets`` ``[begin, end)``
+  relative to the end of the header, ``8 + n``.
+* torch.save (the zip format, and any zip written front to back, such as
+  numpy's ``.npz``): every member is a local file header (``PK\\x03\\x04``, 30
+  bytes, name, extra field) followed by its data.  torch 2.13 stores members
+  uncompressed, pads the extra field so each member's data starts 64-byte
+  aligned, and sets flag bit 3: the local header's sizes are zero and the size
+  follows the data in a data descriptor (``PK\\x07\\x08``, CRC-32, sizes), so a
+  member's end is known only once its descriptor has streamed in.  The
+  archive's top directory is the file's stem (``step_100/data/0``), so member
+  headers differ between checkpoint files even when the tensors do not.
+
+Every boundary the parsers report lies at or after the end of the bytes that
+were needed to learn it, except a zip member's data end, which is learned from
+the descriptor after it; :attr:`ZipBoundaries.stable` says up to where the
+stream is settled so the chunker can hold back the few bytes behind it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from typing import TYPE_CHECKING, Optional
+
+from ckptfs import native
+
+if TYPE_CHECKING:
+    if sys.version_info >= (3, 12):
+        from collections.abc import Buffer
+    else:
+        from typing_extensions import Buffer
+
+__all__ = [
+    "SAFETENSORS_MAX_HEADER",
+    "safetensors_header_size",
+    "safetensors_boundaries",
+    "torch_zip_boundaries",
+    "ZipBoundaries",
+    "FormatHints",
+]
+
+# The safetensors library refuses larger headers; so do we.
+SAFETENSORS_MAX_HEADER = 100_000_000
+
+_LOCAL = b"PK\x03\x04"
+_DESCRIPTOR = b"PK\x07\x08"
+# What may follow a data descriptor: the next member, the central directory,
+# the zip64 end record, the end record.
+_AFTER_DESCRIPTOR = (b"PK\x03\x04", b"PK\x01\x02", b"PK\x06\x06", b"PK\x05\x06")
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
+_ZIP64_EXTRA = 0x0001
+_U32_MAX = 0xFFFFFFFF
+
+
+def _as_bytes_view(data: Buffer) -> memoryview:
+    view = memoryview(data)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    return view
+
+
+# ---- safetensors -------------------------------------------------------------------
+
+
+def safetensors_header_size(prefix: Buffer) -> Optional[int]:
+    """``8 + n``, the offset where tensor data starts, if ``prefix`` (at least
+    9 bytes) starts like a safetensors file; else None."""
+    head = bytes(_as_bytes_view(prefix)[:9])
+    if len(head) < 9 or head[8:9] != b"{":
+        return None
+    (n,) = struct.unpack_from("<Q", head)
+    if not 2 <= n <= SAFETENSORS_MAX_HEADER:
+        return None
+    return 8 + n
+
+
+def safetensors_boundaries(header_bytes_prefix: Buffer) -> Optional[list[int]]:
+    """Tensor boundaries of a safetensors file from a prefix of it.
+
+    Returns the sorted absolute file offsets where the header ends and where
+    every tensor starts and ends (``8 + n + data_offsets``), or None when the
+    prefix is not a safetensors file or does not yet hold the whole header.
+    """
+    view = _as_bytes_view(header_bytes_prefix)
+    data_start = safetensors_header_size(view)
+    if data_start is None or len(view) < data_start:
+        return None
+    try:
+        header = json.loads(bytes(view[8:data_start]))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    bounds = {data_start}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            return None
+        bounds.add(data_start + offsets[0])
+        bounds.add(data_start + offsets[1])
+    return sorted(bounds)
+
+
+# ---- zip (torch.save) --------------------------------------------------------------
+
+
+class ZipBoundaries:
+    """Incremental parser of a zip stream's member data boundaries.
+
+    :meth:`feed` takes the stream's bytes in order and returns the boundaries
+    it learned from them, ascending: each member's data start (the end of its
+    local header) and data end.  Sizes come from the local header or, with
+    flag bit 3 (what torch.save writes), from the data descriptor found after
+    the data: a ``PK\\x07\\x08`` whose size field equals the distance from the
+    data start and that is followed by another zip signature.  Parsing stops
+    at the central directory or at anything that is not a local header.
+    Keeps only a partial header or the few bytes of a possible descriptor.
+    """
+
+    _HEADER, _SKIP, _SEARCH, _DONE = range(4)
+
+    def __init__(self) -> None:
+        self.seen = 0  # bytes fed so far
+        self._mode = self._HEADER
+        self._at = 0  # HEADER: header start; SKIP: data end; SEARCH: data start
+        self._search = 0  # SEARCH: first offset not yet ruled out as a descriptor
+        self._compressed = False
+        self._tail = b""  # bytes [self._tail_at, self.seen) kept for the next feed
+        self._tail_at = 0
+        # Scratch for the feed in progress.
+        self._view = memoryview(b"")
+        self._base = 0
+
+    @property
+    def done(self) -> bool:
+        """True once no further boundary can come (central directory reached)."""
+        return self._mode == self._DONE
+
+    @property
+    def stable(self) -> int:
+        """Every boundary below this offset has been reported."""
+        return self._tail_at if self._mode == self._SEARCH else self.seen
+
+    def feed(self, data: Buffer) -> list[int]:
+        view = _as_bytes_view(data)
+        self._view, self._base = view, self.seen
+        self.seen += len(view)
+        out: list[int] = []
+        try:
+            while self._step(out):
+                pass
+        finally:
+            self._keep_tail()
+            self._view = memoryview(b"")
+        return out
+
+    # -- internals
+
+    def _bytes(self, start: int, stop: int) -> Optional[bytes]:
+        """Stream bytes [start, stop) from the tail and the current feed, or
+        None if they have not all arrived."""
+        if stop > self.seen:
+            return None
+        base = self._base
+        if start >= base:
+            return bytes(self._view[start - base : stop - base])
+        head = self._tail[start - self._tail_at :]
+        if stop <= base:
+            return head[: stop - start]
+        return head + bytes(self._view[: stop - base])
+
+    def _keep_tail(self) -> None:
+        if self._mode == self._HEADER:
+            keep = self._at
+        elif self._mode == self._SEARCH:
+            keep = self._search
+        else:
+            keep = self.seen
+        keep = min(keep, self.seen)
+        self._tail = self._bytes(keep, self.seen) or b""
+        self._tail_at = keep
+
+    def _step(self, out: list[int]) -> bool:
+        """Advance the state machine; False when it needs more bytes."""
+        if self._mode == self._SKIP:
+            if self._at > self.seen:
+                return False
+            self._mode = self._HEADER
+            return True
+        if self._mode == self._HEADER:
+            return self._parse_header(out)
+        if self._mode == self._SEARCH:
+            return self._find_descriptor(out)
+        return False
+
+    def _parse_header(self, out: list[int]) -> bool:
+        start = self._at
+        fixed = self._bytes(start, start + 30)
+        if fixed is None:
+            sig = self._bytes(start, min(start + 4, self.seen)) or b""
+            if not _LOCAL.startswith(sig):
+                self._mode = self._DONE
+            return False
+        (sig, _version, flags, method, _time, _date, _crc, csize, usize, name_len,
+         extra_len) = _LOCAL_HEADER.unpack(fixed)
+        if sig != _LOCAL:
+            self._mode = self._DONE
+            return False
+        data_start = start + 30 + name_len + extra_len
+        extra = self._bytes(start + 30 + name_len, data_start)
+        if extra is None:
+            return False
+        out.append(data_start)
+        self._compressed = method != 0
+        if flags & 0x08:
+            self._mode = self._SEARCH
+            self._at = self._search = data_start
+            return True
+        if csize == _U32_MAX:
+            csize = self._zip64_csize(extra, usize == _U32_MAX)
+            if csize is None:
+                self._mode = self._DONE
+                return False
+        out.append(data_start + csize)
+        self._mode = self._SKIP
+        self._at = data_start + csize
+        return True
+
+    @staticmethod
+    def _zip64_csize(extra: bytes, has_usize: bool) -> Optional[int]:
+        pos = 0
+        while pos + 4 <= len(extra):
+            tag, size = struct.unpack_from("<HH", extra, pos)
+            body = extra[pos + 4 : pos + 4 + size]
+            if tag == _ZIP64_EXTRA:
+                off = 8 if has_usize else 0
+                if len(body) >= off + 8:
+                    return int(struct.unpack_from("<Q", body, off)[0])
+                return None
+            pos += 4 + size
+        return None
+
+    def _find_descriptor(self, out: list[int]) -> bool:
+        base, view = self._base, self._view
+        while True:
+            q = self._search
+            if q < base:
+                # A descriptor starting in the kept tail: search tail + 3 bytes.
+                region = self._bytes(q, min(self.seen, base + 3))
+                if region is None:  # pragma: no cover - the tail covers q
+                    return False
+                hit = region.find(_DESCRIPTOR)
+                q = q + hit if hit >= 0 else base
+            if q >= base:
+                hit = native.find4(view, _DESCRIPTOR, q - base)
+                if hit < 0:
+                    # None in full: resume at a partial one at the very end.
+                    end = self.seen
+                    for k in (3, 2, 1):
+                        if end - k >= self._search and self._bytes(end - k, end) == _DESCRIPTOR[:k]:
+                            self._search = end - k
+                            break
+                    else:
+                        self._search = end
+                    return False
+                q = base + hit
+            verdict = self._check_descriptor(q)
+            if verdict is None:  # needs bytes that have not arrived
+                self._search = q
+                return False
+            if verdict:
+                out.append(q)
+                self._mode = self._HEADER
+                self._at = q + verdict
+                return True
+            self._search = q + 1
+
+    def _check_descriptor(self, q: int) -> Optional[int]:
+        """Length of the data descriptor at ``q`` (16 or 24), 0 if there is
+        none there, or None if more bytes are needed to tell."""
+        size = q - self._at
+        if size <= _U32_MAX:
+            b = self._bytes(q, q + 20)
+            if b is None:
+                return None
+            c32, u32 = struct.unpack_from("<II", b, 8)
+            if c32 == size and (self._compressed or u32 == size) and b[16:20] in _AFTER_DESCRIPTOR:
+                return 16
+        b = self._bytes(q, q + 28)
+        if b is None:
+            return None
+        c64, u64 = struct.unpack_from("<QQ", b, 8)
+        if c64 == size and (self._compressed or u64 == size) and b[24:28] in _AFTER_DESCRIPTOR:
+            return 24
+        return 0
+
+
+def torch_zip_boundaries(prefix: Buffer) -> Optional[list[int]]:
+    """Member data boundaries of a torch.save zip from the bytes seen so far.
+
+    Returns the sorted absolute offsets where each member's data starts and
+    ends, as far as ``prefix`` tells them (a member whose data descriptor has
+    not arrived yet contributes only its start), or None when ``prefix`` does
+    not start with a zip local file header.
+    """
+    view = _as_bytes_view(prefix)
+    if bytes(view[:4]) != _LOCAL:
+        return None
+    return ZipBoundaries().feed(view)
+
+
+# ---- format detection --------------------------------------------------------------
+
+
+class FormatHints:
+    """Detects the format of a stream from its first bytes and reports its
+    tensor boundaries as they become known.
+
+    ``feed(data)`` returns the new boundaries, ascending; :attr:`stable` is the
+    offset below which no further boundary can appear.  :attr:`format` is
+    None until decided, then "safetensors", "zip" or "unknown" (no hints).
+    A safetensors header longer than ``max_header`` is not collected: real
+    ones are kilobytes, and a daemon should not buffer 100 MB per open file.
+    """
+
+    def __init__(self, max_header: int = 16 << 20) -> None:
+        self.max_header = max_header
+        self.format: Optional[str] = None
+        self.seen = 0
+        self._head = b""  # first bytes, until the format is decided
+        self._zip: Optional[ZipBoundaries] = None
+        self._header: Optional[bytearray] = None  # safetensors header so far
+        self._header_size = 0
+
+    @property
+    def stable(self) -> int:
+        if self._zip is not None and not self._zip.done:
+            return self._zip.stable
+        return self.seen
+
+    def feed(self, data: Buffer) -> list[int]:
+        view = _as_bytes_view(data)
+        self.seen += len(view)
+        if self.format is None:
+            head = self._head + bytes(view[: 9 - len(self._head)])
+            earlier, self._head = self._head, head
+            fmt = self._sniff(head)
+            if fmt is None:
+                return []
+            self.format = fmt
+            self._head = b""
+            if fmt == "zip":
+                self._zip = ZipBoundaries()
+                return self._zip.feed(earlier) + self._zip.feed(view)
+            if fmt == "safetensors":
+                self._header = bytearray(earlier)
+                return self._feed_safetensors(view)
+            return []
+        if self._zip is not None:
+            return self._zip.feed(view) if not self._zip.done else []
+        if self._header is not None:
+            return self._feed_safetensors(view)
+        return []
+
+    def _sniff(self, head: bytes) -> Optional[str]:
+        if head[:4] == _LOCAL:
+            return "zip"
+        if len(head) < 9:
+            return None
+        size = safetensors_header_size(head)
+        if size is None or size > self.max_header:
+            return "unknown"
+        self._header_size = size
+        return "safetensors"
+
+    def _feed_safetensors(self, view: memoryview) -> list[int]:
+        assert self._header is not None
+        need = self._header_size - len(self._header)
+        self._header += view[:need]
+        if len(self._header) < self._header_size:
+            return []
+        bounds = safetensors_boundaries(self._header)
+        self._header = None
+        if bounds is None:
+            self.format = "unknown"
+            return []
+        return bounds

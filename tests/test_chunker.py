@@ -1,0 +1,577 @@
+"""Content-defined chunking: the native gear scan, the Chunker, chunk ids and the
+safetensors / torch.save format hints."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import struct
+import threading
+import time
+import zipfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+from blake3 import blake3
+
+from ckptfs import formats, native
+from ckptfs.chunker import (
+    DEFAULT_AVG_SIZE,
+    DEFAULT_MAX_SIZE,
+    DEFAULT_MIN_SIZE,
+    Chunker,
+    chunk_buffer,
+    chunk_id,
+)
+
+MIB = 1 << 20
+M64 = (1 << 64) - 1
+
+# Small sizes make many chunks from little data, so every path of the scan runs.
+SMALL = (64, 256, 1024)
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    return random.Random(0xC0C0)
+
+
+def _gear_table() -> list[int]:
+    state, out = 0x636B707466734344, []  # "ckptfsCD", as in native/ckptfs_native.c
+    for _ in range(256):
+        state = (state + 0x9E3779B97F4A7C15) & M64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+        out.append(z ^ (z >> 31))
+    return out
+
+
+GEAR = _gear_table()
+
+
+def ref_cut_points(data: bytes, min_size: int, avg_size: int, max_size: int) -> list[int]:
+    """The cut rule of native/ckptfs_native.h, written out plainly."""
+    bits = avg_size.bit_length() - 1
+    thr_small, thr_large = 1 << (64 - bits - 2), 1 << (64 - bits + 2)
+    cuts, start, n = [], 0, len(data)
+    while start < n:
+        end = min(start + max_size, n)
+        h = 0
+        for j in range(max(0, min_size - 64), min_size - 1):  # fill the window
+            if start + j >= n:
+                break
+            h = ((h << 1) + GEAR[data[start + j]]) & M64
+        for length in range(min_size, max_size):
+            if start + length > n:
+                break
+            h = ((h << 1) + GEAR[data[start + length - 1]]) & M64
+            if h < (thr_small if length < avg_size else thr_large):
+                end = start + length
+                break
+        cuts.append(end)
+        start = end
+    return cuts
+
+
+def spans(cuts: list[int]) -> list[tuple[int, int]]:
+    return [(a, b - a) for a, b in zip([0] + cuts, cuts)]
+
+
+def feed_in_pieces(chunker: Chunker, data: bytes, sizes: Iterable[int]) -> list[tuple[int, int]]:
+    out, pos, it = [], 0, iter(sizes)
+    while pos < len(data):
+        n = next(it)
+        out += chunker.feed(data[pos : pos + n])
+        pos += n
+        # At most a possible zip data descriptor is held back from the scan.
+        assert chunker.position - chunker.scanned <= 27
+    return out + chunker.finish()
+
+
+def random_pieces(rng: random.Random, choices: tuple[int, ...]) -> Iterable[int]:
+    while True:
+        yield rng.choice(choices)
+
+
+# ---- the native gear scan --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [(64, 128, 512), (64, 256, 1024), (100, 256, 300), (256, 256, 4096), (64, 1024, 1024),
+     (1000, 1024, 1500), (64, 64, 64)],
+)
+def test_gear_matches_reference(rng: random.Random, sizes: tuple[int, int, int]) -> None:
+    data = rng.randbytes(48 * 1024)
+    assert native.gear_cut_points(data, *sizes) == ref_cut_points(data, *sizes)
+
+
+def test_gear_reference_on_low_entropy_data(rng: random.Random) -> None:
+    # Runs of one byte value and short repeats: the hash is periodic there.
+    data = bytes(5000) + b"\xff" * 3000 + b"abc" * 2000 + rng.randbytes(9000) + bytes(3000)
+    for sizes in [(64, 256, 1024), (128, 512, 2048)]:
+        assert native.gear_cut_points(data, *sizes) == ref_cut_points(data, *sizes)
+
+
+def test_gear_streaming_equals_one_shot(rng: random.Random) -> None:
+    data = rng.randbytes(2 * MIB)
+    for sizes in [SMALL, (4096, 16384, 65536)]:
+        whole = native.gear_cut_points(data, *sizes)
+        for trial in range(4):
+            scanner = native.GearScanner(*sizes)
+            cuts, pos = [], 0
+            while pos < len(data):
+                n = rng.choice([1, 7, 63, 64, 65, 1000, 4096, 100_000])
+                cuts += [pos + c for c in scanner.scan(data[pos : pos + n])]
+                pos += n
+            if scanner.pending:
+                cuts.append(len(data))
+            assert cuts == whole, (sizes, trial)
+
+
+def test_gear_many_cuts_in_one_call(rng: random.Random) -> None:
+    # More cuts than the wrapper's per-call output array: it must loop.
+    data = rng.randbytes(1 * MIB)
+    cuts = native.gear_cut_points(data, 64, 128, 256)
+    assert len(cuts) > 4 * 1024
+    assert cuts == ref_cut_points(data, 64, 128, 256)
+
+
+def test_gear_edge_inputs() -> None:
+    assert native.gear_cut_points(b"", *SMALL) == []
+    assert native.gear_cut_points(b"x", *SMALL) == [1]
+    assert native.gear_cut_points(bytearray(5000), *SMALL) == ref_cut_points(bytes(5000), *SMALL)
+    assert native.gear_cut_points(memoryview(bytes(3000))[7:], *SMALL) == ref_cut_points(
+        bytes(2993), *SMALL)
+
+
+@pytest.mark.parametrize(
+    "sizes", [(32, 256, 1024), (512, 256, 1024), (64, 1024, 512), (64, 300, 1024), (0, 0, 0)]
+)
+def test_gear_rejects_bad_sizes(sizes: tuple[int, int, int]) -> None:
+    with pytest.raises(ValueError):
+        native.GearScanner(*sizes)
+
+
+def test_gear_c_rejects_bad_sizes() -> None:
+    from ckptfs._native import ffi, lib
+
+    state = ffi.new("ckptfs_gear_state *")
+    cuts = ffi.new("size_t[]", 4)
+    assert lib.ckptfs_gear_cuts(state, b"abc", 3, 32, 256, 1024, cuts, 4) == ffi.cast("size_t", -1)
+
+
+def test_gear_chunk_sizes(rng: random.Random) -> None:
+    data = rng.randbytes(16 * MIB)
+    mn, avg, mx = DEFAULT_MIN_SIZE, DEFAULT_AVG_SIZE, DEFAULT_MAX_SIZE
+    sizes = [n for _, n in spans(native.gear_cut_points(data, mn, avg, mx))]
+    assert all(mn <= n <= mx for n in sizes[:-1])
+    mean = sum(sizes) / len(sizes)
+    assert 0.8 * avg < mean < 1.6 * avg
+
+
+def test_find4(rng: random.Random) -> None:
+    needle = b"PK\x07\x08"
+    for _ in range(300):
+        n = rng.randrange(0, 80)
+        data = bytearray(rng.choice(b"PK\x07\x08x") for _ in range(n))
+        start = rng.randrange(0, 10)
+        end = rng.choice([None, rng.randrange(0, 90)])
+        assert native.find4(data, needle, start, end) == bytes(data).find(needle, start, end), (
+            data, start, end)
+    big = bytearray(rng.randbytes(MIB).replace(b"P", b"Q"))
+    assert native.find4(big, needle) == -1
+    for pos in (0, 1, 15, 16, 17, MIB // 2, MIB - 5, MIB - 4):
+        probe = bytearray(big)
+        probe[pos : pos + 4] = needle
+        assert native.find4(probe, needle) == pos
+    with pytest.raises(ValueError):
+        native.find4(b"abc", b"abc")
+
+
+def test_gear_releases_the_gil() -> None:
+    data = os.urandom(64 * MIB)
+    window: list[float] = []
+
+    def worker() -> None:
+        window.append(time.perf_counter())
+        native.gear_cut_points(data, 64, 128, 1 << 30)  # tiny min: hashes every byte
+        window.append(time.perf_counter())
+
+    stamps: list[float] = []
+    t = threading.Thread(target=worker)
+    t.start()
+    while t.is_alive():
+        stamps.append(time.perf_counter())
+    t.join()
+    start, end = window
+    inside = [start] + [s for s in stamps if start < s < end] + [end]
+    longest_gap = max(b - a for a, b in zip(inside, inside[1:]))
+    assert longest_gap < 0.5 * (end - start) or end - start < 0.01
+
+
+def test_gear_and_blake3_throughput(capsys: pytest.CaptureFixture[str]) -> None:
+    data = os.urandom(64 * MIB)
+    sizes = (DEFAULT_MIN_SIZE, DEFAULT_AVG_SIZE, DEFAULT_MAX_SIZE)
+    cuts = native.gear_cut_points(data, *sizes)
+    gear = min(_timed(lambda: native.gear_cut_points(data, *sizes)) for _ in range(3))
+    view = memoryview(data)
+
+    def hash_chunks() -> None:
+        for off, n in spans(cuts):
+            chunk_id(view[off : off + n])
+
+    hashing = min(_timed(hash_chunks) for _ in range(3))
+    with capsys.disabled():
+        print(f"\ngear scan {sizes}: {len(data) / gear / 1e9:.2f} GB/s, "
+              f"chunk_id over its chunks: {len(data) / hashing / 1e9:.2f} GB/s")
+
+
+def _timed(fn: object) -> float:
+    assert callable(fn)
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ---- chunk ids ---------------------------------------------------------------------
+
+
+def test_chunk_id() -> None:
+    assert chunk_id(b"") == bytes.fromhex(
+        "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262")
+    data = os.urandom(100_000)
+    assert chunk_id(data) == blake3(data).digest()
+    assert chunk_id(memoryview(data)) == chunk_id(bytearray(data))
+    assert len(chunk_id(data)) == 32
+
+
+# ---- the Chunker -------------------------------------------------------------------
+
+
+def test_chunker_deterministic_and_split_independent(rng: random.Random) -> None:
+    data = rng.randbytes(1 * MIB)
+    whole = chunk_buffer(data, *SMALL)
+    assert whole == chunk_buffer(data, *SMALL)
+    assert whole == spans(native.gear_cut_points(data, *SMALL))
+    for choices in [(1, 2, 3), (10, 100, 1000), (4096, 65536, 1 << 20)]:
+        piece_rng = random.Random(choices[0])
+        got = feed_in_pieces(Chunker(*SMALL), data, random_pieces(piece_rng, choices))
+        assert got == whole
+
+
+def test_chunk_sizes_within_bounds(rng: random.Random) -> None:
+    data = rng.randbytes(4 * MIB)
+    mn, avg, mx = 4096, 16384, 65536
+    chunks = chunk_buffer(data, mn, avg, mx)
+    assert sum(n for _, n in chunks) == len(data)
+    assert all(mn <= n <= mx for _, n in chunks[:-1])
+    assert 0 < chunks[-1][1] <= mx
+
+
+def test_chunks_tile_the_stream(rng: random.Random) -> None:
+    data = rng.randbytes(300_000)
+    pos = 0
+    for off, n in chunk_buffer(data, *SMALL, boundaries=[5, 1000, 1001, 250_000]):
+        assert off == pos and n > 0
+        pos += n
+    assert pos == len(data)
+
+
+def _ids(data: bytes, chunks: list[tuple[int, int]]) -> list[bytes]:
+    return [chunk_id(data[o : o + n]) for o, n in chunks]
+
+
+@pytest.mark.parametrize("edit", ["insert_front", "delete_front", "insert_middle"])
+def test_shifted_bytes_only_change_nearby_chunks(rng: random.Random, edit: str) -> None:
+    sizes = (4096, 16384, 65536)
+    old = rng.randbytes(8 * MIB)
+    if edit == "insert_front":
+        new = rng.randbytes(100) + old
+    elif edit == "delete_front":
+        new = old[777:]
+    else:
+        new = old[: 4 * MIB] + rng.randbytes(3) + old[4 * MIB :]
+    old_ids = set(_ids(old, chunk_buffer(old, *sizes)))
+    new_chunks = chunk_buffer(new, *sizes)
+    new_ids = _ids(new, new_chunks)
+    fresh = [c for c, i in zip(new_chunks, new_ids) if i not in old_ids]
+    assert len(new_chunks) > 300
+    # The edited chunk and the few after it until the cuts fall back in step
+    # (usually one or two; min_size skipping can delay it a little).
+    assert len(fresh) <= 8, fresh
+    assert fresh[-1][0] < 12 * sizes[1] + (4 * MIB if edit == "insert_middle" else 0)
+
+
+def test_forced_boundaries_restart_cdc(rng: random.Random) -> None:
+    data = rng.randbytes(1 * MIB)
+    bounds = sorted(rng.sample(range(1, len(data)), 40)) + [len(data) + 50]
+    chunks = chunk_buffer(data, *SMALL, boundaries=bounds)
+    edges = {o for o, _ in chunks} | {len(data)}
+    assert all(b in edges for b in bounds if b <= len(data))
+    # Between two forced boundaries the chunks are exactly those of that
+    # segment chunked on its own.
+    marks = [0] + [b for b in bounds if b < len(data)] + [len(data)]
+    expect = []
+    for a, b in zip(marks, marks[1:]):
+        expect += [(a + o, n) for o, n in spans(native.gear_cut_points(data[a:b], *SMALL))]
+    assert chunks == expect
+    # The same when the boundaries arrive while streaming, just in time.
+    chunker = Chunker(*SMALL, detect_format=False)
+    got, pos = [], 0
+    pending = list(bounds)
+    while pos < len(data):
+        n = rng.randrange(1, 40_000)
+        chunker.add_boundaries([b for b in pending if b < pos + n])
+        pending = [b for b in pending if b >= pos + n]
+        got += chunker.feed(data[pos : pos + n])
+        pos += n
+    assert got + chunker.finish() == expect
+
+
+def test_boundary_behind_the_scan_is_refused(rng: random.Random) -> None:
+    chunker = Chunker(*SMALL, detect_format=False)
+    chunker.feed(rng.randbytes(5000))
+    with pytest.raises(ValueError):
+        chunker.add_boundaries([4000])
+    chunker.add_boundaries([5000, 6000])  # at or after the scan: fine
+    out = chunker.feed(rng.randbytes(2000)) + chunker.finish()
+    assert (5000 in {o for o, _ in out}) and (6000 in {o for o, _ in out})
+    with pytest.raises(ValueError):
+        chunker.feed(b"more")
+
+
+def test_unknown_format_gets_no_hints(rng: random.Random) -> None:
+    data = rng.randbytes(200_000)
+    chunker = Chunker(*SMALL)
+    assert chunker.feed(data) + chunker.finish() == spans(native.gear_cut_points(data, *SMALL))
+    assert chunker.format == "unknown"
+
+
+# ---- format hints: real safetensors and torch.save files ---------------------------
+
+
+def _state_dict():  # a tiny model's worth of tensors, several dtypes and a view
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    sd = {
+        "embed.weight": torch.randn(300, 64, generator=gen),
+        "block.0.ln.weight": torch.ones(64),
+        "block.0.ln.bias": torch.zeros(64),
+        "block.0.attn.weight": torch.randn(192, 64, generator=gen),
+        "block.0.lora_A": torch.randn(4, 64, generator=gen).to(torch.bfloat16),
+        "block.0.lora_B": torch.zeros(192, 4, dtype=torch.bfloat16),
+        "block.0.count": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.empty(0),
+        "head.weight": torch.randn(300, 64, generator=gen).half(),
+    }
+    return torch, sd
+
+
+def _tensor_bytes(tensor) -> bytes:
+    torch = pytest.importorskip("torch")
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_safetensors_boundaries_real_file(tmp_path: Path) -> None:
+    st = pytest.importorskip("safetensors.torch")
+    torch, sd = _state_dict()
+    path = tmp_path / "model.safetensors"
+    st.save_file(sd, str(path), metadata={"step": "100"})
+    raw = path.read_bytes()
+    (n,) = struct.unpack_from("<Q", raw)
+    bounds = formats.safetensors_boundaries(raw[: 8 + n])
+    assert bounds is not None and bounds[0] == 8 + n and bounds[-1] == len(raw)
+    assert bounds == formats.safetensors_boundaries(raw)  # trailing bytes ignored
+    assert formats.safetensors_boundaries(raw[: 8 + n - 1]) is None  # header incomplete
+    assert formats.safetensors_boundaries(raw[:5]) is None
+    # Every non-empty tensor's bytes lie exactly between two boundaries.
+    starts = set(bounds)
+    with st.safe_open(str(path), framework="pt") as f:  # type: ignore[attr-defined]
+        for name in f.keys():
+            blob = _tensor_bytes(f.get_tensor(name))
+            if not blob:
+                continue
+            at = raw.find(blob, 8 + n)
+            assert at in starts and at + len(blob) in starts, name
+    # Chunking honours them, whatever the feed sizes.
+    whole = chunk_buffer(raw, *SMALL)
+    edges = {o for o, _ in whole} | {len(raw)}
+    assert set(bounds) <= edges
+    got = feed_in_pieces(Chunker(*SMALL), raw, random_pieces(random.Random(1), (1, 5, 77, 4096)))
+    assert got == whole
+
+
+def _zip_members(raw: bytes) -> list[tuple[str, int, int]]:
+    out = []
+    for info in zipfile.ZipFile(io.BytesIO(raw)).infolist():
+        name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)
+        start = info.header_offset + 30 + name_len + extra_len
+        out.append((info.filename, start, start + info.compress_size))
+    return out
+
+
+def test_torch_zip_boundaries_real_file(tmp_path: Path) -> None:
+    torch, sd = _state_dict()
+    sd["embed_rows"] = sd["embed.weight"][10:20]  # a view: shares a storage
+    path = tmp_path / "step_1000.pt"
+    torch.save(sd, path)
+    raw = path.read_bytes()
+    members = _zip_members(raw)
+    # What torch 2.13 writes: stored members, 64-byte aligned data, sizes in
+    # data descriptors after the data (flag bit 3), names under the file's stem.
+    for info in zipfile.ZipFile(path).infolist():
+        assert info.compress_type == zipfile.ZIP_STORED
+        assert info.filename.startswith("step_1000/")
+        assert info.flag_bits & 0x08 or info.file_size == 0
+    assert all(start % 64 == 0 for _, start, _ in members)
+    expect = [x for _, start, end in members for x in (start, end)]
+    assert formats.torch_zip_boundaries(raw) == expect
+    # Storage bytes sit exactly in their members' data.
+    by_name = {name: (start, end) for name, start, end in members}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in sd.values()}
+    for storage in storages.values():
+        blob = torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
+        if blob:
+            at = raw.find(blob)
+            assert (at, at + len(blob)) in by_name.values()
+    # Prefixes: only what the bytes so far tell, and nothing for a non-zip.
+    part = formats.torch_zip_boundaries(raw[: len(raw) // 2])
+    assert part and len(part) < len(expect) and part == expect[: len(part)]
+    assert part[-1] <= len(raw) // 2
+    assert formats.torch_zip_boundaries(b"\x00" * 100) is None
+
+
+def test_zip_parser_incremental(tmp_path: Path) -> None:
+    torch, sd = _state_dict()
+    path = tmp_path / "v.pt"
+    torch.save(sd, path)
+    raw = path.read_bytes()
+    expect = formats.torch_zip_boundaries(raw)
+    for trial in range(12):
+        rnd = random.Random(trial)
+        parser, got, pos = formats.ZipBoundaries(), [], 0
+        while pos < len(raw):
+            n = 1 if trial == 0 else rnd.choice([1, 2, 3, 4, 20, 30, 64, 1000, 9999])
+            stable = parser.stable
+            new = parser.feed(raw[pos : pos + n])
+            assert all(b >= stable for b in new)  # never behind what was settled
+            assert parser.seen - parser.stable <= 27
+            got += new
+            pos += n
+        assert got == expect and parser.done
+
+
+def test_zip_parser_not_fooled_by_descriptor_lookalikes(tmp_path: Path) -> None:
+    # Member data holding descriptor signatures: stray ones, ones followed by
+    # a zip signature, and a whole torch.save archive saved as a byte tensor.
+    # Only a descriptor whose size field equals its distance from the data
+    # start (and is followed by a signature) ends a member.
+    torch = pytest.importorskip("torch")
+    fake = b"PK\x07\x08" + struct.pack("<III", 0, 1000, 1000) + b"PK\x03\x04" * 4
+    inner = io.BytesIO()
+    torch.save({"a": torch.arange(100), "b": torch.ones(3)}, inner)
+    blobs = [fake * 50 + b"PK\x07" + bytes(61), inner.getvalue(), b"PK\x07\x08" * 100]
+    tensors = {f"x{i}": torch.frombuffer(bytearray(b), dtype=torch.uint8).clone()
+               for i, b in enumerate(blobs)}
+    path = tmp_path / "tricky.pt"
+    torch.save({**tensors, "y": torch.arange(10)}, path)
+    raw = path.read_bytes()
+    expect = [x for _, start, end in _zip_members(raw) for x in (start, end)]
+    assert formats.torch_zip_boundaries(raw) == expect
+
+
+def test_zip_with_sizes_in_local_headers() -> None:
+    # Python's zipfile on a seekable file writes sizes up front (no descriptor).
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("a.bin", os.urandom(3000))
+        z.writestr("b/c.bin", b"")
+        z.writestr("d.bin", os.urandom(70000))
+    raw = buf.getvalue()
+    expect = [x for _, start, end in _zip_members(raw) for x in (start, end)]
+    assert formats.torch_zip_boundaries(raw) == expect
+
+
+def test_chunker_on_torch_save_stream(tmp_path: Path) -> None:
+    torch, sd = _state_dict()
+    path = tmp_path / "ckpt.pt"
+    torch.save(sd, path)
+    raw = path.read_bytes()
+    bounds = formats.torch_zip_boundaries(raw)
+    assert bounds
+    whole = chunk_buffer(raw, *SMALL)
+    chunker = Chunker(*SMALL)
+    got = feed_in_pieces(chunker, raw, random_pieces(random.Random(2), (1, 2, 3, 31, 500, 8192)))
+    assert chunker.format == "zip"
+    assert got == whole
+    edges = {o for o, _ in whole} | {len(raw)}
+    assert set(bounds) <= edges
+    # Chunk sizes: within [min, max] unless ended by a boundary or the stream.
+    forced = set(bounds) | {len(raw)}
+    for off, n in whole:
+        assert n <= SMALL[2]
+        assert n >= SMALL[0] or off + n in forced
+
+
+def test_unchanged_tensors_dedup_across_versions(tmp_path: Path) -> None:
+    # Version 2 changes one small tensor between big unchanged ones and is saved
+    # under another file name (so every zip member header differs): with hints
+    # only that tensor's chunk and the small header chunks are new.
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(3)
+    sd = {f"w{i}": torch.randn(256, 256, generator=gen) for i in range(4)}
+    sd["w1_lora"] = torch.zeros(8, 256)
+    torch.save(sd, tmp_path / "step_1.pt")
+    sd["w1_lora"] = torch.randn(8, 256, generator=gen)
+    torch.save(sd, tmp_path / "step_2.pt")
+    v1, v2 = (tmp_path / "step_1.pt").read_bytes(), (tmp_path / "step_2.pt").read_bytes()
+    sizes = (4096, 16384, 65536)
+
+    def new_bytes(detect: bool) -> int:
+        old = set(_ids(v1, chunk_buffer(v1, *sizes, detect_format=detect)))
+        chunks = chunk_buffer(v2, *sizes, detect_format=detect)
+        return sum(n for (o, n), i in zip(chunks, _ids(v2, chunks)) if i not in old)
+
+    changed = 8 * 256 * 4
+    with_hints = new_bytes(True)
+    assert changed <= with_hints < changed + 4096  # + pickle, headers, zip directory
+    assert new_bytes(False) > with_hints
+
+
+def test_format_detection() -> None:
+    header = b'{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    st = struct.pack("<Q", len(header)) + header + bytes(8)
+    hints = formats.FormatHints()
+    assert [b for c in st for b in hints.feed(bytes([c]))] == [8 + len(header), 16 + len(header)]
+    assert hints.format == "safetensors"
+    for head, fmt in [(b"PK\x03\x04", "zip"), (b"\x00" * 9, "unknown"),
+                      (b"GGUF\x03\x00\x00\x00\x00", "unknown")]:
+        hints = formats.FormatHints()
+        hints.feed(head)
+        assert hints.format == fmt
+    hints = formats.FormatHints(max_header=1000)  # a header too big to collect
+    assert hints.feed(struct.pack("<Q", 5000) + b"{" + bytes(100)) == []
+    assert hints.format == "unknown" and hints.stable == hints.seen
+    # Malformed JSON or offsets: no hints, and chunking goes on unhinted.
+    for bad in [b'{"t":{"data_offsets":[8,0]}}', b'{"t":', b'[1, 2]']:
+        blob = struct.pack("<Q", len(bad)) + bad + bytes(100)
+        assert formats.safetensors_boundaries(blob) is None
+        chunker = Chunker(*SMALL)
+        chunker.feed(blob)
+        assert chunker.format == "unknown" and chunker.boundaries == []
+
+
+def test_npz_zip64_sizes(tmp_path: Path) -> None:
+    # numpy.savez writes sizes 0xFFFFFFFF in the local header and the real
+    # ones in a zip64 extra field.
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "arrays.npz"
+    np.savez(path, a=np.arange(1000, dtype=np.float32), b=np.ones((3, 7)))
+    raw = path.read_bytes()
+    assert struct.unpack_from("<I", raw, 18)[0] == 0xFFFFFFFF
+    expect = [x for _, start, end in _zip_members(raw) for x in (start, end)]
+    assert formats.torch_zip_boundaries(raw) == expect
