@@ -42,7 +42,7 @@ from .pmemlog import PmemLog
 
 log = logging.getLogger("ckptfs.daemon")
 
-READ_AHEAD_KB = 1024       # FUSE reads arrive as 128-256 KiB otherwise
+READ_AHEAD_KB = 16384      # the most the kernel reads ahead: keeps several 1 MiB reads in flight
 
 
 @dataclass

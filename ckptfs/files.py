@@ -287,9 +287,12 @@ class FileData:
         """Fold the overlay into the index's open batch. Caller waited for df.idle."""
         if df.trunc_to is not None:
             inode.data_bytes -= self._punch(df.ino, df.trunc_to, MAX_FILE_BYTES)
+        # A new file or an O_TRUNC rewrite has nothing left to punch out.
+        overwrites = next(ix.iter_extents(self.index, df.ino), None) is not None
         refs: Counter = Counter()
         for e in df.extents:
-            inode.data_bytes -= self._punch(df.ino, e.file_off, e.end)
+            if overwrites:
+                inode.data_bytes -= self._punch(df.ino, e.file_off, e.end)
             self.index.put("extents", ix.extent_key(df.ino, e.file_off), ix.extent_encode(e))
             inode.data_bytes += e.length
             refs[e.chunk_no] += 1

@@ -251,7 +251,8 @@ class Index:
         """Next value of a never-reused counter (next_ino, next_chunk, next_cookie)."""
         value = self.counters[name]
         self.counters[name] = value + 1
-        self.put("meta", name, _LOGLOC.pack(value + 1))
+        # Written with the next batch, not now: an id is only durable where a
+        # durable record names it, and a counter alone must not cost a commit.
         return value
 
     def set_clean(self, clean: bool) -> None:
@@ -288,34 +289,15 @@ class Index:
         Consume it without awaiting in between: the view is only consistent
         within one synchronous stretch of the trio thread.
         """
-        overlay: dict[bytes, Optional[bytes]] = {}
-        for batch in (self._committing, self._open):   # later layer wins
-            if batch is not None:
-                layer = batch.ops.get(db)
-                if layer is not None:
-                    for k in layer.irange(lo, hi, inclusive=(True, False)):
-                        overlay[k] = layer[k]
-        pending = sorted(overlay, reverse=reverse)
-        yield from self._merge(self._lmdb_items(db, lo, hi, reverse), pending, overlay, reverse)
-
-    @staticmethod
-    def _merge(stored: Iterator[tuple[bytes, bytes]], pending: list[bytes],
-               overlay: dict[bytes, Optional[bytes]], reverse: bool
-               ) -> Iterator[tuple[bytes, bytes]]:
-        i = 0
-        for k, v in stored:
-            while i < len(pending) and (pending[i] > k if reverse else pending[i] < k):
-                pv = overlay[pending[i]]
-                if pv is not None:
-                    yield pending[i], pv
-                i += 1
-            if k in overlay:
-                continue   # the pending value (or deletion) is yielded in its place
-            yield k, v
-        for k in pending[i:]:
-            pv = overlay[k]
-            if pv is not None:
-                yield k, pv
+        # Lazy k-way merge, newest layer first: a caller that stops after one
+        # item (a floor lookup) pays for one item, not for the whole batch.
+        sources: list[Iterator[tuple[bytes, Optional[bytes]]]] = []
+        for batch in (self._open, self._committing):
+            layer = None if batch is None else batch.ops.get(db)
+            if layer:
+                sources.append(_layer_items(layer, lo, hi, reverse))
+        sources.append(self._lmdb_items(db, lo, hi, reverse))
+        yield from _merge_layers(sources, reverse)
 
     def _lmdb_items(self, db: str, lo: bytes, hi: bytes, reverse: bool
                     ) -> Iterator[tuple[bytes, bytes]]:
@@ -398,6 +380,8 @@ class Index:
                 await self._work.wait()
                 self._work = trio.Event()
                 continue
+            for name, value in self.counters.items():
+                self._layer("meta")[name] = _LOGLOC.pack(value)
             batch, self._open = self._open, Batch(seq=self._open.seq + 1)
             self._committing = batch
             started = time.monotonic()
@@ -488,6 +472,38 @@ class DirectTxn:
             if k >= hi:
                 return
             yield k, v
+
+
+_END = object()
+
+
+def _layer_items(layer: SortedDict, lo: bytes, hi: bytes, reverse: bool
+                 ) -> Iterator[tuple[bytes, Optional[bytes]]]:
+    for k in layer.irange(lo, hi, inclusive=(True, False), reverse=reverse):
+        yield k, layer[k]
+
+
+def _merge_layers(sources: list[Iterator[tuple[bytes, Optional[bytes]]]], reverse: bool
+                  ) -> Iterator[tuple[bytes, bytes]]:
+    """Merge sorted (key, value) streams; on equal keys the earliest stream wins.
+
+    A winning value of None is a pending deletion and hides the key.
+    """
+    heads = [next(src, _END) for src in sources]
+    pick = max if reverse else min
+    while True:
+        keys = [h[0] for h in heads if h is not _END]
+        if not keys:
+            return
+        key = pick(keys)
+        value = _END
+        for i, head in enumerate(heads):
+            if head is not _END and head[0] == key:
+                if value is _END:
+                    value = head[1]
+                heads[i] = next(sources[i], _END)
+        if value is not None:
+            yield key, value
 
 
 def new_fs_uuid() -> bytes:
