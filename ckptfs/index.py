@@ -175,7 +175,7 @@ class Batch:
     ops: dict[str, SortedDict] = field(default_factory=dict)
     persist_ranges: list[tuple[int, int]] = field(default_factory=list)
     after_durable: list[Callable[[], None]] = field(default_factory=list)
-    opened_at: float = field(default_factory=time.monotonic)
+    opened_at: Optional[float] = None      # when its first change arrived
 
     def is_empty(self) -> bool:
         return not self.ops and not self.after_durable
@@ -207,6 +207,8 @@ class Index:
         self._work = trio.Event()
         self._durable_changed = trio.Event()
         self._stopping = False
+        self._wanted_seq = 0           # the newest batch somebody waits for
+        self._urgent = trio.Event()
         self.commits = 0
         self.commit_seconds_total = 0.0
         self.counters: dict[bytes, int] = {}
@@ -335,8 +337,13 @@ class Index:
         layer = self._open.ops.get(db)
         if layer is None:
             layer = self._open.ops[db] = SortedDict()
-            self._work.set()
+            self._note_change()
         return layer
+
+    def _note_change(self) -> None:
+        if self._open.opened_at is None:
+            self._open.opened_at = time.monotonic()
+        self._work.set()
 
     def persist_before_commit(self, log_off: int, length: int) -> None:
         """The open batch references these log bytes: persist them first."""
@@ -345,7 +352,7 @@ class Index:
     def after_durable(self, fn: Callable[[], None]) -> None:
         """Run fn on the trio thread once the open batch is durable."""
         self._open.after_durable.append(fn)
-        self._work.set()
+        self._note_change()
 
     # ---------------------------------------------------------------- commit
 
@@ -356,9 +363,14 @@ class Index:
     def pending_age_s(self) -> float:
         """How long the oldest not-yet-durable change has waited."""
         oldest = self._committing or (None if self._open.is_empty() else self._open)
-        return 0.0 if oldest is None else time.monotonic() - oldest.opened_at
+        if oldest is None or oldest.opened_at is None:
+            return 0.0
+        return time.monotonic() - oldest.opened_at
 
     async def wait_durable(self, seq: int) -> None:
+        if seq > self._wanted_seq and self.durable_seq < seq:
+            self._wanted_seq = seq
+            self._urgent.set()
         while self.durable_seq < seq:
             if self.failure is not None:
                 raise IndexFailure(f"commit failed: {self.failure}")
@@ -367,11 +379,13 @@ class Index:
             raise IndexFailure(f"commit failed: {self.failure}")
 
     async def run_committer(self, persist: Callable[[list[tuple[int, int]]], None],
-                            limiter: trio.CapacityLimiter) -> None:
+                            limiter: trio.CapacityLimiter, idle_delay_s: float = 0.0) -> None:
         """Commit batches one after another until stop() and nothing is left.
 
         While one batch is being written, new changes gather in the next: that
-        is the group commit.
+        is the group commit. A batch nobody waits for yet may gather changes
+        for up to idle_delay_s before it is written, so that a create and the
+        close that follows it cost one durable commit, not two.
         """
         while True:
             if self._open.is_empty():
@@ -380,6 +394,13 @@ class Index:
                 await self._work.wait()
                 self._work = trio.Event()
                 continue
+            if not self._stopping and self._wanted_seq < self._open.seq and idle_delay_s > 0:
+                remaining = idle_delay_s - (time.monotonic() - self._open.opened_at)
+                if remaining > 0:
+                    with trio.move_on_after(remaining):
+                        await self._urgent.wait()
+                    self._urgent = trio.Event()
+                    continue
             for name, value in self.counters.items():
                 self._layer("meta")[name] = _LOGLOC.pack(value)
             batch, self._open = self._open, Batch(seq=self._open.seq + 1)
@@ -411,6 +432,7 @@ class Index:
         """Let run_committer return once everything pending is durable."""
         self._stopping = True
         self._work.set()
+        self._urgent.set()
 
     def _write_batch(self, batch: Batch, persist: Callable[[list[tuple[int, int]]], None]
                      ) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,6 +149,13 @@ def make_mount(tmp_path):
     yield factory
     for m in mounts:
         m.cleanup()
+    for m in mounts:
+        # Each log is fallocated (hundreds of MB of real blocks): free them now,
+        # not when pytest prunes old tmp dirs, or a full run fills the disk.
+        if not is_mounted(m.path):
+            shutil.rmtree(m.source, ignore_errors=True)
+            if m.path != m.source:
+                shutil.rmtree(m.path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -168,8 +176,14 @@ def fsck_clean():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    # Belt and braces: nothing mounted by the tests survives the run.
+    # Belt and braces: nothing mounted by the tests survives the run. Only this
+    # session's own tmp dirs: another pytest run may have live mounts right now.
+    basetemp = getattr(getattr(session.config, "_tmp_path_factory", None), "_basetemp", None)
+    if basetemp is None:
+        return      # no tmp dir made, so nothing mounted
+    base = os.path.realpath(basetemp) + "/"
     with open("/proc/self/mountinfo") as f:
-        leftovers = [line.split()[4] for line in f if "fuse.ckptfs" in line and "/pytest-" in line]
+        leftovers = [line.split()[4] for line in f
+                     if "fuse.ckptfs" in line and line.split()[4].startswith(base)]
     for path in leftovers:
         subprocess.run(["fusermount3", "-u", "-z", path], capture_output=True)
