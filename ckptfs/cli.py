@@ -166,11 +166,25 @@ def umount(mountpoint: str, timeout_s: float, lazy: bool) -> int:
 def _wait_exit(pid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if process_exited(pid):
             return True
         time.sleep(0.02)
+    return False
+
+
+def process_exited(pid: int) -> bool:
+    """Gone, or a zombie: it has exited even if its parent has not reaped it yet."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
     return False
 
 

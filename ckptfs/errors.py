@@ -109,3 +109,9 @@ class UsageError(CkptfsError):
     """A user mistake on the command line: printed as one line, no traceback."""
 
     errno = errno.EINVAL
+
+
+class NotSupported(CkptfsError):
+    """An operation ckptfs does not implement (extended POSIX ACLs)."""
+
+    errno = errno.EOPNOTSUPP

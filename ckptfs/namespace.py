@@ -13,12 +13,13 @@ last user are gone, `Filesystem` asks `FileData` to drop its extents.
 from __future__ import annotations
 
 import stat
+import struct
 from typing import Iterator, Optional
 
 from . import index as ix
 from .errors import (AlreadyExists, InvalidArgument, IsADirectory, NameTooLong,
                      NoXattr, NotADirectory, NotEmpty, NotFound, NotPermitted,
-                     StaleHandle, TooManyLinks, ValueTooLarge)
+                     NotSupported, StaleHandle, TooManyLinks, ValueTooLarge)
 from .index import ROOT_INO, Index, Inode
 
 NAME_MAX = 255
@@ -28,6 +29,36 @@ LINK_MAX = 65000
 STATE_DIR_NAME = b".ckptfs"
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
+# POSIX ACL xattrs (the kernel passes them through: FUSE_POSIX_ACL is not negotiated).
+ACL_ACCESS = b"system.posix_acl_access"
+ACL_DEFAULT = b"system.posix_acl_default"
+_ACL_HEADER = struct.Struct("<I")
+_ACL_ENTRY = struct.Struct("<HHI")
+_ACL_VERSION = 2
+_ACL_SHIFT = {0x01: 6, 0x04: 3, 0x20: 0}      # USER_OBJ, GROUP_OBJ, OTHER
+
+
+def acl_mode_bits(value: bytes) -> int:
+    """The rwx bits a minimal access ACL stands for (what cp -a and rsync -A set).
+
+    Extended ACLs (named users or groups, a mask) are refused: ckptfs does not
+    enforce them, and silently storing them would claim protection it lacks.
+    """
+    if len(value) < _ACL_HEADER.size or (len(value) - _ACL_HEADER.size) % _ACL_ENTRY.size \
+            or _ACL_HEADER.unpack_from(value)[0] != _ACL_VERSION:
+        raise InvalidArgument("malformed POSIX ACL")
+    bits, seen = 0, set()
+    for off in range(_ACL_HEADER.size, len(value), _ACL_ENTRY.size):
+        tag, perm, _ = _ACL_ENTRY.unpack_from(value, off)
+        if tag not in _ACL_SHIFT:
+            raise NotSupported("extended POSIX ACLs are not supported")
+        if tag in seen or perm & ~0o7:
+            raise InvalidArgument("malformed POSIX ACL")
+        seen.add(tag)
+        bits |= perm << _ACL_SHIFT[tag]
+    if len(seen) != 3:
+        raise InvalidArgument("malformed POSIX ACL")
+    return bits
 
 
 class Namespace:
@@ -324,7 +355,13 @@ class Namespace:
         if len(value) > XATTR_VALUE_MAX:
             raise ValueTooLarge(f"xattr value of {len(value)} bytes")
         inode = self.get(ino)
-        self.index.put("xattrs", ix.xattr_key(ino, name), value)
+        if name == ACL_ACCESS:
+            # As ext4 does with an ACL equivalent to the mode: set the mode, store nothing.
+            inode.mode = (inode.mode & ~0o777) | acl_mode_bits(value)
+        elif name == ACL_DEFAULT:
+            raise NotSupported("default POSIX ACLs are not supported")
+        else:
+            self.index.put("xattrs", ix.xattr_key(ino, name), value)
         inode.ctime_ns = now_ns
         self.put(inode)
 

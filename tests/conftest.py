@@ -20,6 +20,8 @@ from typing import Optional
 
 import pytest
 
+from ckptfs.cli import process_exited
+
 REPO = Path(__file__).resolve().parent.parent
 MOUNT_HELPER = [sys.executable, str(REPO / "mount.ckptfs")]
 CKPTFS = [sys.executable, "-m", "ckptfs.cli"]
@@ -65,9 +67,7 @@ def force_unmount(path: Path, pid: Optional[int]) -> None:
             return
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if process_exited(pid):
                 return
             time.sleep(0.05)
 
@@ -110,9 +110,7 @@ class Mount:
         os.kill(self.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
+            if process_exited(self.pid):
                 break
             time.sleep(0.02)
         subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)

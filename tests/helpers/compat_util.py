@@ -1,0 +1,135 @@
+"""Shared by the compatibility tests (tests/test_compat_*.py, test_concurrency.py).
+
+Byte-exact checks of whole trees: every regular file's sha256, every symlink's
+target, modes, sizes, times, xattrs and hard-link structure, so a test can
+say "this tree on ckptfs is exactly that tree" after a remount.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+HELPERS = Path(__file__).resolve().parent
+STATE_DIR = ".ckptfs"
+
+
+def sha256_file(path: os.PathLike | str, block: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(block)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def xattrs_of(path: str) -> dict[str, bytes]:
+    """user.* xattrs (the ones cp -a, rsync -X and tar --xattrs carry)."""
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return {}
+    return {n: os.getxattr(path, n, follow_symlinks=False)
+            for n in sorted(names) if n.startswith("user.")}
+
+
+def manifest(root: os.PathLike | str, *, times: bool = True, xattrs: bool = True,
+             contents: bool = True) -> dict[str, tuple]:
+    """relpath -> description of every entry below root (not root itself).
+
+    Files: ("f", mode, size, sha256, mtime_ns, xattrs, link group). Hard links
+    are described by the sorted relpaths sharing the inode, so the structure
+    compares across filesystems. Skips ckptfs' hidden state dir at the top.
+    """
+    root = os.fspath(root)
+    out: dict[str, tuple] = {}
+    by_ino: dict[tuple[int, int], list[str]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        if dirpath == root and STATE_DIR in dirnames:
+            dirnames.remove(STATE_DIR)
+        dirnames.sort()
+        for name in sorted(dirnames) + sorted(filenames):
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, root)
+            st = os.lstat(full)
+            mode = stat.S_IMODE(st.st_mode)
+            mt = st.st_mtime_ns if times else 0
+            xa = tuple(sorted(xattrs_of(full).items())) if xattrs else ()
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("l", os.readlink(full))
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("d", mode, xa)
+            elif stat.S_ISREG(st.st_mode):
+                digest = sha256_file(full) if contents else ""
+                out[rel] = ["f", mode, st.st_size, digest, mt, xa]
+                by_ino.setdefault((st.st_dev, st.st_ino), []).append(rel)
+            else:
+                out[rel] = ("o", stat.S_IFMT(st.st_mode), mode)
+    for rels in by_ino.values():
+        group = tuple(sorted(rels))
+        for rel in rels:
+            out[rel] = tuple(out[rel]) + (group if len(group) > 1 else (),)
+    return out
+
+
+def dir_mtimes(root: os.PathLike | str) -> dict[str, int]:
+    root = os.fspath(root)
+    out = {}
+    for dirpath, dirnames, _ in os.walk(root):
+        if dirpath == root and STATE_DIR in dirnames:
+            dirnames.remove(STATE_DIR)
+        out[os.path.relpath(dirpath, root)] = os.lstat(dirpath).st_mtime_ns
+    return out
+
+
+def assert_same(a: dict, b: dict, what: str = "") -> None:
+    """Compare two manifests with a readable first difference."""
+    if a == b:
+        return
+    only_a = sorted(set(a) - set(b))
+    only_b = sorted(set(b) - set(a))
+    diff = [k for k in sorted(set(a) & set(b)) if a[k] != b[k]]
+    lines = [f"trees differ {what}: only in first {only_a[:10]}, only in second {only_b[:10]}"]
+    for k in diff[:10]:
+        lines.append(f"  {k}: {a[k]!r} != {b[k]!r}")
+    raise AssertionError("\n".join(lines))
+
+
+def run(cmd: list[str], *, cwd: Optional[os.PathLike] = None, timeout: float = 300,
+        check: bool = True, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    res = subprocess.run([os.fspath(c) for c in cmd], capture_output=True, text=True,
+                         cwd=cwd, timeout=timeout, env=env)
+    if check and res.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} exited {res.returncode}:\n"
+                             f"{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    return res
+
+
+def run_helper(script: str, *args, timeout: float = 300, env: Optional[dict] = None,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """Run tests/helpers/<script> with this interpreter."""
+    return run([sys.executable, str(HELPERS / script), *map(str, args)], timeout=timeout,
+               env=env, check=check)
+
+
+def write_bytes(path: os.PathLike | str, data: bytes, mode: int = 0o644) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
