@@ -305,12 +305,7 @@ class Index:
                     ) -> Iterator[tuple[bytes, bytes]]:
         cur = self._rtxn.cursor(self._dbs[db])
         if not reverse:
-            if not cur.set_range(lo):
-                return
-            for k, v in cur:
-                if k >= hi:
-                    return
-                yield k, v
+            yield from _cursor_range(cur, lo, hi)
         else:
             if cur.set_range(hi):
                 ok = cur.prev()
@@ -487,13 +482,17 @@ class DirectTxn:
         self.txn.delete(key, db=self.dbs[db])
 
     def items(self, db: str, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
-        cur = self.txn.cursor(self.dbs[db])
-        if not cur.set_range(lo):
+        yield from _cursor_range(self.txn.cursor(self.dbs[db]), lo, hi)
+
+
+def _cursor_range(cur: lmdb.Cursor, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """Items with lo <= key < hi, ascending."""
+    if not cur.set_range(lo):
+        return
+    for k, v in cur:
+        if k >= hi:
             return
-        for k, v in cur:
-            if k >= hi:
-                return
-            yield k, v
+        yield k, v
 
 
 _END = object()
