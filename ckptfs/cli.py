@@ -76,7 +76,11 @@ def _mount(source: str, mountpoint: str, option_strings: list[str], foreground: 
     except UsageError as e:
         return _fail(e)
     opts.foreground = opts.foreground or foreground
-    if find_mount(opts.mountpoint) is not None and opts.source != opts.mountpoint:
+    if find_mount(opts.source) is not None:
+        # Mounted over itself: SOURCE/.ckptfs (and the lock in it) is hidden below that mount.
+        return _fail(UsageError(f"{opts.source} is already mounted by ckptfs "
+                                "(unmount it first)"))
+    if find_mount(opts.mountpoint) is not None:
         return _fail(UsageError(f"{opts.mountpoint} is already a ckptfs mount"))
     return mount(opts)
 

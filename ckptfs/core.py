@@ -39,6 +39,15 @@ class CommitPolicy:
     sync: str = "close"             # "close" | "lazy"
     lazy_max_delay_s: float = 1.0   # lazy: close waits only if commits lag this much
 
+    @property
+    def idle_commit_delay_s(self) -> float:
+        """How long changes nobody waits for may gather before they are committed.
+
+        Bounds how long a rename or mkdir takes to become durable without an
+        fsync; a waiting close or fsync always commits at once.
+        """
+        return 0.05 if self.sync == "close" else self.lazy_max_delay_s / 2
+
     def __post_init__(self) -> None:
         if self.sync not in ("close", "lazy"):
             raise InvalidArgument(f"sync must be 'close' or 'lazy', not {self.sync!r}")
@@ -97,7 +106,8 @@ class Filesystem:
         return len(orphans)
 
     async def run_committer(self) -> None:
-        await self.index.run_committer(self.log.persist, self.commit_limiter)
+        await self.index.run_committer(self.log.persist, self.commit_limiter,
+                                       idle_delay_s=self.policy.idle_commit_delay_s)
 
     async def shutdown(self) -> None:
         """Commit everything still open, purge orphans, mark clean. Committer keeps running."""
@@ -327,7 +337,8 @@ class Filesystem:
                        "commit are discarded")
         inode = self.ns.get(ino)
         if inode.nlink == 0:
-            self.files.discard(df)     # unlinked: nobody can see these bytes again
+            # Unlinked: nothing to commit (an orphan never comes back), but open
+            # handles still read and write these bytes; `_purge` drops them.
             return self.index.current_seq()
         self.files.commit_file(df, inode, self.now_ns())
         return self.index.current_seq()
@@ -365,6 +376,8 @@ class Filesystem:
                     del self.files.dirty[h.ino]
                 await self._wait_per_policy(seq)
         finally:
+            # Count again: an open of the same inode may have arrived during the awaits.
+            left = self.open_count.get(h.ino, 1) - 1
             if left > 0:
                 self.open_count[h.ino] = left
             else:
@@ -374,7 +387,9 @@ class Filesystem:
     # ----------------------------------------------------------------- misc
 
     def statfs(self) -> dict[str, int]:
-        disk = os.statvfs(self.log.path)
+        # fstatvfs: the log's path may lie below this very mount (SOURCE/.ckptfs);
+        # a path lookup from the daemon would wait for itself.
+        disk = os.fstatvfs(self.log.fd)
         return {
             "bsize": 4096,
             "blocks": (self.log.capacity_bytes + disk.f_blocks * disk.f_frsize) // 4096,

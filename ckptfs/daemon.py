@@ -144,7 +144,12 @@ def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
     """Run the daemon in this process until unmounted. Returns an exit code."""
     opts.source = os.path.realpath(opts.source)
     opts.mountpoint = os.path.realpath(opts.mountpoint)
-    os.makedirs(opts.state_dir, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(opts.state_dir, mode=0o700, exist_ok=True)
+    except OSError as e:
+        _report(ready_fd, f"ckptfs: cannot create the state directory {opts.state_dir}: "
+                          f"{e.strerror}")
+        return 1
     setup_logging(opts, foreground=ready_fd is None)
     try:
         state = open_state(opts)

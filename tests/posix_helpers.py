@@ -1,0 +1,123 @@
+"""Small helpers shared by the POSIX-surface tests (test_posix_*.py, test_mount_cli.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import importlib.util
+import os
+import platform
+import random
+import time
+from typing import Callable
+
+import pytest
+
+from conftest import is_mounted
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+AT_FDCWD = -100
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def have_fsck() -> bool:
+    return importlib.util.find_spec("ckptfs.fsck") is not None
+
+
+def check_clean(fsck_clean, m) -> None:
+    """End of a test that wrote: unmount, and fsck must be clean (once fsck exists).
+
+    Without ckptfs.fsck the unmount still happens, so a clean unmount is checked.
+    """
+    if have_fsck():
+        fsck_clean(m)
+    elif is_mounted(m.path):
+        m.umount()
+
+
+def renameat2(old: os.PathLike | str, new: os.PathLike | str, flags: int) -> None:
+    """rename(2) with flags, through libc or the raw syscall (316 on x86_64)."""
+    o, n = os.fsencode(old), os.fsencode(new)
+    fn = getattr(_libc, "renameat2", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                       ctypes.c_uint]
+        rc = fn(AT_FDCWD, o, AT_FDCWD, n, flags)
+    else:
+        assert platform.machine() == "x86_64", "renameat2 syscall number known for x86_64 only"
+        _libc.syscall.restype = ctypes.c_long
+        rc = _libc.syscall(ctypes.c_long(316), ctypes.c_int(AT_FDCWD), o,
+                           ctypes.c_int(AT_FDCWD), n, ctypes.c_uint(flags))
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), os.fsdecode(old), None, os.fsdecode(new))
+
+
+SYNC_FILE_RANGE_WAIT_BEFORE = 1
+SYNC_FILE_RANGE_WRITE = 2
+SYNC_FILE_RANGE_WAIT_AFTER = 4
+
+
+def push_to_daemon(fd: int) -> None:
+    """Write the fd's dirty pages back to the daemon WITHOUT fsync (no commit), then drop
+    the page cache, so that the next read is answered by the daemon's open-file overlay."""
+    _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_uint]
+    rc = _libc.sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE
+                               | SYNC_FILE_RANGE_WAIT_AFTER)
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def expect_errno(code: int, fn: Callable, *args, **kw) -> OSError:
+    with pytest.raises(OSError) as info:
+        fn(*args, **kw)
+    assert info.value.errno == code, \
+        f"expected {errno.errorcode[code]}, got {errno.errorcode.get(info.value.errno)}: {info.value}"
+    return info.value
+
+
+def write_file(path, data: bytes, mode: int = 0o644) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+    finally:
+        os.close(fd)
+
+
+def read_file(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def pattern(n: int, seed: int = 0) -> bytes:
+    """n reproducible pseudo-random bytes (a misplaced block shows)."""
+    return random.Random(seed).randbytes(n)
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float = 10.0, step_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step_s)
+    return pred()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

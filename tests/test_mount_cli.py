@@ -1,0 +1,304 @@
+"""The command line: mount.ckptfs and ckptfs mount/umount/stat, how a mount
+ends (ckptfs umount, umount, fusermount3 -u, SIGTERM), options and errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from conftest import CKPTFS, MOUNT_HELPER, REPO, is_mounted, run_ckptfs
+from posix_helpers import MiB, check_clean, pattern, read_file, wait_for, write_file
+
+from ckptfs.options import OPTIONS
+
+
+def helper(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(MOUNT_HELPER + list(args), capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie (exited, not yet reaped by init)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in (b"Z", b"X")
+
+
+def one_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{stderr}"
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def forget_daemon(m) -> None:
+    """The daemon ended by other means than m.umount(): let the fixture know."""
+    m.pid = None
+
+
+# ------------------------------------------------------------------- mounting
+
+def test_mount_returns_only_when_live(make_mount):
+    m = make_mount(start=False)
+    res = helper(str(m.source), str(m.path), "-o", "pmem_size=64M")
+    assert res.returncode == 0, res.stderr
+    # live at once: no retry, no sleep
+    assert is_mounted(m.path)
+    write_file(m.path / "f", b"x")
+    assert os.listdir(m.path) == ["f"]
+    m.pid = m.stat()["pid"]
+
+
+def test_ckptfs_mount_subcommand(make_mount):
+    m = make_mount(start=False, over_itself=False)
+    res = run_ckptfs("mount", str(m.source), str(m.path), "-o", "pmem_size=64M", check=False)
+    assert res.returncode == 0, res.stderr
+    assert is_mounted(m.path)
+    m.pid = m.stat()["pid"]
+    write_file(m.path / "f", b"x")
+    m.umount()
+    assert not is_mounted(m.path)
+    # the data went to SOURCE's state, and the mountpoint is left empty
+    assert os.listdir(m.path) == []
+    assert os.path.isdir(m.source / ".ckptfs")
+
+
+def test_unknown_option(make_mount):
+    m = make_mount(start=False)
+    res = helper(str(m.source), str(m.path), "-o", "pmem_size=64M,no_such_option")
+    assert res.returncode == 2
+    assert "no_such_option" in one_line(res.stderr)
+    assert not is_mounted(m.path)
+    assert not (m.source / ".ckptfs").exists()
+
+
+def test_option_missing_value_and_bad_size(make_mount):
+    m = make_mount(start=False)
+    for opt in ("pmem_size", "pmem_size=12X", "sync=sometimes", "debug=1"):
+        res = helper(str(m.source), str(m.path), "-o", opt)
+        assert res.returncode == 2, opt
+        one_line(res.stderr)
+        assert not is_mounted(m.path)
+
+
+def test_missing_mountpoint(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    res = helper(str(src), str(tmp_path / "nope"))
+    assert res.returncode != 0
+    assert "nope" in one_line(res.stderr)
+    assert not is_mounted(tmp_path / "nope")
+    res = helper(str(tmp_path / "nosrc"), str(src))
+    assert res.returncode != 0
+    one_line(res.stderr)
+    assert not is_mounted(src)
+    res = helper(str(src))
+    assert res.returncode != 0
+    one_line(res.stderr)
+
+
+def test_daemon_side_failure_is_one_line(make_mount, tmp_path):
+    """A failure found by the daemon (log too small, unusable log path): one line, no mount."""
+    m = make_mount(start=False)
+    res = helper(str(m.source), str(m.path), "-o", "pmem_size=4K")
+    assert res.returncode != 0
+    assert "pmem_size" in one_line(res.stderr)
+    assert not is_mounted(m.path)
+    res = helper(str(m.source), str(m.path), "-o", f"pmem={tmp_path}/no/such/dir/log,pmem_size=64M")
+    assert res.returncode != 0
+    one_line(res.stderr)
+    assert not is_mounted(m.path)
+
+
+def test_second_mount_of_same_source(make_mount, tmp_path):
+    m = make_mount(options=["pmem_size=64M"])
+    write_file(m.path / "f", b"first mount")
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    res = helper(str(m.source), str(other), "-o", "pmem_size=64M")
+    assert res.returncode != 0
+    line = one_line(res.stderr)
+    assert "already mounted" in line, line
+    assert not is_mounted(other)
+    # the first mount is unaffected
+    assert read_file(m.path / "f") == b"first mount"
+    write_file(m.path / "g", b"still writable")
+    assert m.stat()["pid"] == m.pid
+    m.remount()
+    assert read_file(m.path / "g") == b"still writable"
+
+
+def test_second_mount_of_same_source_not_over_itself(make_mount, tmp_path):
+    m = make_mount(options=["pmem_size=64M"], over_itself=False)
+    write_file(m.path / "f", b"first mount")
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    res = helper(str(m.source), str(other), "-o", "pmem_size=64M")
+    assert res.returncode != 0
+    assert "already mounted" in one_line(res.stderr)
+    assert not is_mounted(other)
+    assert read_file(m.path / "f") == b"first mount"
+
+
+def test_mount_on_a_ckptfs_mountpoint(make_mount, tmp_path):
+    m = make_mount(options=["pmem_size=64M"], over_itself=False)
+    src2 = tmp_path / "src2"
+    src2.mkdir()
+    res = helper(str(src2), str(m.path), "-o", "pmem_size=64M")
+    assert res.returncode != 0
+    one_line(res.stderr)
+    assert m.stat()["pid"] == m.pid
+
+
+def test_mount_help_lists_every_option():
+    res = helper("--help")
+    assert res.returncode == 0
+    # DESIGN.md also names backing=DIR; it comes with the backing store (not built yet).
+    for name in list(OPTIONS) + ["pmem", "pmem_size", "allow_other", "debug"]:
+        assert name in res.stdout, f"option {name} missing from mount.ckptfs --help"
+    res = subprocess.run(CKPTFS + ["mount", "--help"], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert res.returncode == 0
+    for name in OPTIONS:
+        assert name in res.stdout
+
+
+# ------------------------------------------------------------------ unmounting
+
+def test_ckptfs_umount_waits_for_daemon(mounted):
+    pid = mounted.pid
+    write_file(mounted.path / "f", pattern(MiB))
+    run_ckptfs("umount", str(mounted.path))
+    assert gone(pid), "ckptfs umount returned while the daemon was still running"
+    assert not is_mounted(mounted.path)
+    forget_daemon(mounted)
+    mounted.start()
+    assert read_file(mounted.path / "f") == pattern(MiB)
+
+
+def test_ckptfs_umount_not_mounted(tmp_path):
+    res = run_ckptfs("umount", str(tmp_path), check=False)
+    assert res.returncode != 0
+    one_line(res.stderr)
+
+
+@pytest.mark.parametrize("tool", [["umount"], ["fusermount3", "-u"]])
+def test_plain_unmount_is_clean(mounted, tool):
+    pid = mounted.pid
+    data = pattern(2 * MiB, 50)
+    write_file(mounted.path / "f", data)
+    os.mkdir(mounted.path / "d")
+    res = subprocess.run(tool + [str(mounted.path)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert not is_mounted(mounted.path)
+    assert wait_for(lambda: gone(pid), 30), "daemon still running after the unmount"
+    forget_daemon(mounted)
+    log = (mounted.source / ".ckptfs" / "daemon.log").read_text()
+    assert "not cleanly unmounted" not in log
+    mounted.start()
+    assert read_file(mounted.path / "f") == data
+    assert (mounted.path / "d").is_dir()
+    mounted.umount()
+    log = (mounted.source / ".ckptfs" / "daemon.log").read_text()
+    assert "not cleanly unmounted" not in log, "the unmount was not clean"
+
+
+def test_sigterm_commits_and_unmounts(make_mount):
+    m = make_mount(options=["pmem_size=128M", "sync=lazy"])
+    files = {f"f{i}": pattern(300000 + i, 60 + i) for i in range(10)}
+    for name, data in files.items():
+        write_file(m.path / name, data)
+    pid = m.pid
+    os.kill(pid, signal.SIGTERM)
+    assert wait_for(lambda: gone(pid), 30), "daemon did not exit on SIGTERM"
+    assert wait_for(lambda: not is_mounted(m.path), 10), "SIGTERM left the mount behind"
+    forget_daemon(m)
+    log = (m.source / ".ckptfs" / "daemon.log").read_text()
+    assert "SIGTERM" in log
+    m.start()
+    for name, data in files.items():
+        assert read_file(m.path / name) == data
+    m.umount()
+    log = (m.source / ".ckptfs" / "daemon.log").read_text()
+    assert "not cleanly unmounted" not in log, "SIGTERM did not end in a clean unmount"
+
+
+# ------------------------------------------------------------------------ stat
+
+def test_stat_json(mounted):
+    sizes = [5 * MiB, 1000, 0]
+    for i, n in enumerate(sizes):
+        write_file(mounted.path / f"f{i}", pattern(n, i))
+    os.mkdir(mounted.path / "d")
+    res = run_ckptfs("stat", str(mounted.path), "--json")
+    s = json.loads(res.stdout)
+    for key in ("pid", "logical_bytes", "stored_bytes", "hot_bytes", "pmem_size", "cold_bytes",
+                "chunks", "dedup_ratio", "files"):
+        assert key in s, key
+    assert s["pid"] == mounted.pid and not gone(s["pid"])
+    assert s["files"] == 3
+    assert s["logical_bytes"] == sum(sizes)
+    assert sum(sizes) <= s["stored_bytes"] <= 2 * sum(sizes)
+    assert sum(sizes) <= s["hot_bytes"] <= s["pmem_size"]
+    assert s["pmem_size"] == 512 * MiB
+    assert s["cold_bytes"] >= 0
+    assert s["chunks"] >= 2
+    assert 0 < s["dedup_ratio"] <= 100
+    human = run_ckptfs("stat", str(mounted.path))
+    assert str(mounted.pid) in human.stdout
+
+
+def test_stat_not_mounted(tmp_path):
+    res = run_ckptfs("stat", str(tmp_path), "--json", check=False)
+    assert res.returncode != 0
+    one_line(res.stderr)
+
+
+# --------------------------------------------------------------------- options
+
+def test_sync_lazy_durable_after_umount(make_mount, fsck_clean):
+    m = make_mount(options=["pmem_size=128M", "sync=lazy"])
+    assert m.stat()["sync"] == "lazy"
+    files = {f"f{i}": pattern(100000 * (i + 1), 70 + i) for i in range(20)}
+    for name, data in files.items():
+        write_file(m.path / name, data)
+    m.umount()
+    m.start()
+    for name, data in files.items():
+        assert read_file(m.path / name) == data
+    check_clean(fsck_clean, m)
+
+
+@pytest.mark.parametrize("text,size", [("98304K", 96 * MiB), ("100MiB", 100 * MiB),
+                                       ("1G", 1024 * MiB)])
+def test_pmem_size_suffixes(make_mount, text, size):
+    m = make_mount(options=[f"pmem_size={text}"])
+    assert m.stat()["pmem_size"] == size
+    m.umount()
+    assert os.path.getsize(m.source / ".ckptfs" / "pmem.log") == size
+
+
+def test_pmem_size_grows_never_shrinks(make_mount):
+    m = make_mount(options=["pmem_size=64M"])
+    write_file(m.path / "f", b"x")
+    m.umount()
+    m.options = ["pmem_size=128M"]
+    m.start()
+    assert m.stat()["pmem_size"] == 128 * MiB
+    m.umount()
+    res = helper(str(m.source), str(m.path), "-o", "pmem_size=64M")
+    assert res.returncode != 0
+    assert "shrink" in one_line(res.stderr)
+    assert not is_mounted(m.path)
+    m.options = []
+    m.start()
+    assert m.stat()["pmem_size"] == 128 * MiB
+    assert read_file(m.path / "f") == b"x"
