@@ -110,9 +110,17 @@ class Filesystem:
                                        idle_delay_s=self.policy.idle_commit_delay_s)
 
     async def shutdown(self) -> None:
-        """Commit everything still open, purge orphans, mark clean. Committer keeps running."""
+        """Commit what was closed, purge orphans, mark clean. Committer keeps running."""
         for ino in list(self.files.dirty):
             try:
+                if self.open_count.get(ino):
+                    # Still open: the daemon is being stopped under its writer (a
+                    # signal). Never closed nor fsync'ed, so as after a crash it
+                    # keeps its last committed content.
+                    df = await self._settled(ino)
+                    if df is not None:
+                        self.files.discard(df)
+                    continue
                 await self._commit(ino)
             except Exception as e:  # keep going: the rest still deserves a commit
                 log.error("final commit of inode %d failed: %s", ino, e)
@@ -294,9 +302,15 @@ class Filesystem:
         except OSError as e:
             df.write_error = e
             raise DamagedData(f"log write failed: {e}") from e
+        except BaseException as e:
+            # Cancelled (a request aborted at unmount) or anything else: the
+            # bytes may not be in the log, so this content must never commit.
+            df.write_error = e
+            raise
         finally:
             df.inflight -= 1
             if df.inflight == 0:
+                self.files.writes_settled(df)
                 df.idle.set()
         self.files.bytes_written += len(data)
         return len(data)
@@ -328,7 +342,7 @@ class Filesystem:
         """Put the file's overlay in the open batch; return the batch to wait for."""
         df = await self._settled(ino)
         if df is None or not df.dirty:
-            return self.index.current_seq()
+            return 0        # nothing of this file to wait for
         if df.write_error is not None:
             err = df.write_error
             self.files.discard(df)
@@ -348,8 +362,10 @@ class Filesystem:
         await self._wait_per_policy(seq)
 
     async def fsync(self, fh: int) -> None:
-        seq = await self._commit(self.handle(fh).ino)
-        await self.index.wait_durable(seq)
+        await self._commit(self.handle(fh).ino)
+        # Everything so far, not just this commit: an earlier sync=lazy close of
+        # this file, or the create that named it, may not be durable yet.
+        await self.index.wait_durable(self.index.current_seq())
 
     async def sync_all(self) -> None:
         """fsyncdir and `ckptfs sync`: every change made so far durable.

@@ -55,6 +55,7 @@ class DirtyFile:
     inflight: int = 0
     idle: trio.Event = field(default_factory=trio.Event)
     write_error: Optional[BaseException] = None
+    release_when_settled: list[Chunk] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -206,8 +207,18 @@ class FileData:
             del df.new_chunk_refs[chunk_no]
             chunk = df.new_chunks.pop(chunk_no, None)
             if chunk is not None:
-                # Never committed, so no durable index names this space.
-                self.log.release(chunk.log_off, chunk.length)
+                # Never committed, so no durable index names this space; but a
+                # store into it may still be running in a worker thread.
+                if df.inflight:
+                    df.release_when_settled.append(chunk)
+                else:
+                    self.log.release(chunk.log_off, chunk.length)
+
+    def writes_settled(self, df: DirtyFile) -> None:
+        """No write of df is in flight any more: free the space overwritten meanwhile."""
+        for chunk in df.release_when_settled:
+            self.log.release(chunk.log_off, chunk.length)
+        df.release_when_settled.clear()
 
     def truncate_dirty(self, df: DirtyFile, size: int) -> None:
         self._cut_dirty(df, size, MAX_FILE_BYTES)

@@ -275,7 +275,8 @@ class PmemLog:
         got = native.crc32c_blocks(buf, CRC_BLOCK_BYTES)
         want = crcs[b0 * 4:(b1 + 1) * 4]
         if got != want:
-            bad = next(i for i in range(0, len(want), 4) if got[i:i + 4] != want[i:i + 4])
+            # A record with fewer CRCs than blocks (never stored) is damaged too.
+            bad = next(i for i in range(0, len(got), 4) if got[i:i + 4] != want[i:i + 4])
             raise DamagedData(f"log record at offset {log_off}: checksum mismatch in block "
                               f"{b0 + bad // 4} (bytes {blk_start + bad // 4 * CRC_BLOCK_BYTES}..)")
         if not direct:
