@@ -86,6 +86,7 @@ class Filesystem:
         self.commit_limiter = trio.CapacityLimiter(1)
         self.started_at = time.time()
         self.errors_by_kind: dict[str, int] = {}
+        self._log_full_warned_at = -1e9
 
     # ------------------------------------------------------------- lifecycle
 
@@ -288,6 +289,10 @@ class Filesystem:
         except CkptfsError as e:
             # A file that lost a write must not commit half of its new content.
             df.write_error = e
+            if isinstance(e, NoSpace) and time.monotonic() - self._log_full_warned_at > 60:
+                self._log_full_warned_at = time.monotonic()
+                log.warning("log full (%d of %d bytes free): writes fail with ENOSPC until "
+                            "files are deleted", self.log.free_bytes, self.log.capacity_bytes)
             raise
         df.mtime_ns = df.ctime_ns = self.now_ns()
         if df.inflight == 0:
@@ -454,6 +459,7 @@ class Filesystem:
                                    if self.index.commits else 0.0),
             "bytes_written": self.files.bytes_written,
             "bytes_read": self.files.bytes_read,
+            "errors": dict(self.errors_by_kind),
             "read_only": self.index.failure is not None,
             "last_error": str(self.index.failure) if self.index.failure else None,
             **self.index.stats(),
