@@ -90,7 +90,8 @@ def test_reads_verify_every_block_and_never_return_damaged_bytes(plog):
         plog.read_into(memoryview(out), off, len(data), crcs, start)
         assert bytes(out) == data[start:start + n]
     fd = os.open(plog.path, os.O_RDWR)
-    os.pwrite(fd, b"\xff", off + CRC_BLOCK_BYTES + 5)
+    damaged_at = off + CRC_BLOCK_BYTES + 5
+    os.pwrite(fd, bytes([os.pread(fd, 1, damaged_at)[0] ^ 0xFF]), damaged_at)
     os.close(fd)
     out = bytearray(10)
     plog.read_into(memoryview(out), off, len(data), crcs, 0)      # block 0 still fine
