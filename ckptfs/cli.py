@@ -10,17 +10,16 @@ from __future__ import annotations
 import argparse
 import enum
 import json
-import os
 import shutil
 import subprocess
 import sys
-import time
 from typing import Optional
 
 from . import control
 from .daemon import find_mount, mount
 from .errors import CkptfsError, UsageError
 from .options import options_help, parse_options
+from .proc import wait_exit
 
 
 class ExitCode(enum.IntEnum):
@@ -162,34 +161,9 @@ def umount(mountpoint: str, timeout_s: float, lazy: bool) -> int:
     if res.returncode != 0:
         detail = (res.stderr.strip().splitlines() or ["unmount failed"])[-1]
         raise CkptfsError(f"cannot unmount {mountpoint}: {detail}")
-    if pid is not None and not _wait_exit(pid, timeout_s):
+    if pid is not None and not wait_exit(pid, timeout_s):
         raise CkptfsError(f"daemon {pid} still running after {timeout_s:.0f} s")
     return ExitCode.OK
-
-
-def _wait_exit(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process_exited(pid):
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def process_exited(pid: int) -> bool:
-    """Gone, or a zombie: it has exited even if its parent has not reaped it yet."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-    except FileNotFoundError:
-        return True
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def show_stat(mountpoint: str, as_json: bool) -> int:

@@ -13,14 +13,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import pytest
 
-from ckptfs.cli import process_exited
+from ckptfs.proc import stop_process, wait_exit
 
 REPO = Path(__file__).resolve().parent.parent
 MOUNT_HELPER = [sys.executable, str(REPO / "mount.ckptfs")]
@@ -58,18 +57,8 @@ def force_unmount(path: Path, pid: Optional[int]) -> None:
         subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
         if is_mounted(path):
             subprocess.run(["umount", "-l", str(path)], capture_output=True)
-    if pid is None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if process_exited(pid):
-                return
-            time.sleep(0.05)
+    if pid is not None:
+        stop_process(pid)
 
 
 @dataclass
@@ -108,11 +97,7 @@ class Mount:
         """SIGKILL the daemon and detach the dead mount (a crash)."""
         assert self.pid is not None
         os.kill(self.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if process_exited(self.pid):
-                break
-            time.sleep(0.02)
+        wait_exit(self.pid, 10)
         subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
         self.pid = None
 

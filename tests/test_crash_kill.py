@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.cli import process_exited
+from ckptfs.proc import process_exited
 from conftest import Mount
 from journal_model import ABSENT, Model, check, short
 

@@ -62,6 +62,8 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from ckptfs.proc import stop_process  # noqa: E402
 MOUNT_CKPTFS = [sys.executable, str(REPO / "mount.ckptfs")]
 CKPTFS = [sys.executable, "-m", "ckptfs.cli"]
 
@@ -165,28 +167,10 @@ def daemon_cpu_s(pid: Optional[int]) -> Optional[tuple[float, float]]:
     return out[0], out[1]
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 def stop_pid(pid: Optional[int]) -> None:
     """SIGTERM, then SIGKILL: only for processes this script started."""
-    if pid is None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if not pid_alive(pid):
-                return
-            time.sleep(0.05)
+    if pid is not None:
+        stop_process(pid)
 
 
 def force_unmount(path: Path) -> None:
