@@ -66,6 +66,7 @@ def adopt_tree(txn: DirectTxn, source_fd: int, counters: dict[bytes, int]) -> in
                 inode = ix.get_inode(txn, ino)
                 inode.nlink += 1
                 ix.put_inode(txn, inode)
+                _add_original_name(txn, ino, path)
             else:
                 ino = next_id(b"next_ino")
                 seen[key] = ino
@@ -98,6 +99,17 @@ def adopt_tree(txn: DirectTxn, source_fd: int, counters: dict[bytes, int]) -> in
     for name, value in counters.items():
         txn.put("meta", name, ix.u64_le(value))
     return adopted
+
+
+def _add_original_name(txn: DirectTxn, ino: int, path: bytes) -> None:
+    """Another hard link to an adopted file: its space comes back only when every
+    original name is removed, so the chunk remembers them all."""
+    raw = txn.get("extents", ix.extent_key(ino, 0))
+    if raw is None:
+        return          # empty file: no bytes to give back
+    chunk = ix.get_chunk(txn, ix.extent_decode(ix.extent_key(ino, 0), raw).chunk_no)
+    chunk.source_path += b"\0" + path
+    ix.put_chunk(txn, chunk)
 
 
 def _copy_xattrs(txn: DirectTxn, ino: int, path) -> None:

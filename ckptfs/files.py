@@ -287,7 +287,7 @@ class FileData:
                 self.log.read_into(dst, p.chunk.log_off, p.chunk.length, p.chunk.crcs,
                                    p.chunk_off)
             elif p.chunk.kind == CHUNK_SOURCE:
-                self.sources.read_into(dst, p.chunk.source_path, p.chunk_off)
+                self.sources.read_into(dst, p.chunk.source_paths[0], p.chunk_off)
             else:
                 raise DamagedData(f"chunk {p.chunk.chunk_no} has unknown kind {p.chunk.kind}")
         return out
@@ -367,4 +367,5 @@ class FileData:
         if chunk.kind == CHUNK_LOG:
             self.index.after_durable(lambda: self.log.release(chunk.log_off, chunk.length))
         elif chunk.kind == CHUNK_SOURCE:
-            self.index.after_durable(lambda: self.sources.remove(chunk.source_path))
+            self.index.after_durable(lambda: [self.sources.remove(path)
+                                              for path in chunk.source_paths])

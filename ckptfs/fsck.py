@@ -247,9 +247,10 @@ class Fsck:
                         buf = memoryview(bytearray(chunk.length))
                         self.plog.read_into(buf, chunk.log_off, chunk.length, chunk.crcs, 0)
                     elif chunk.kind == CHUNK_SOURCE:
-                        st = os.stat(chunk.source_path, dir_fd=self.source_fd)
+                        path = chunk.source_paths[0]
+                        st = os.stat(path, dir_fd=self.source_fd)
                         if st.st_size < chunk.length:
-                            raise DamagedData(f"pre-existing file {chunk.source_path!r} shrank "
+                            raise DamagedData(f"pre-existing file {path!r} shrank "
                                               f"to {st.st_size} bytes")
                 except (DamagedData, OSError) as e:
                     self.problem("data", f"chunk {chunk.chunk_no}: {e} (reads of it give EIO)")

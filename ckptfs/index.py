@@ -29,7 +29,8 @@ order; little-endian in values):
               its space is reused only after that transaction is durable.
               kind LOG:    log offset + CRC-32C per CRC_BLOCK_BYTES block
               kind SOURCE: path of a file that was in the directory before
-                           it was mounted over (relative to SOURCE)
+                           it was mounted over (relative to SOURCE); a file
+                           with hard links lists every name, NUL-separated
     logmap    log offset -> chunk no, for every LOG chunk: the log's used
               space, so the free space is its complement (read at mount)
     xattrs    ino + name -> value
@@ -147,7 +148,12 @@ class Chunk:
     length: int
     log_off: int = 0                 # CHUNK_LOG
     crcs: bytes = b""                # CHUNK_LOG: u32 LE per CRC_BLOCK_BYTES block
-    source_path: bytes = b""         # CHUNK_SOURCE
+    source_path: bytes = b""         # CHUNK_SOURCE: its original path(s), NUL-separated
+
+    @property
+    def source_paths(self) -> list[bytes]:
+        """Every original name of a pre-existing file (hard links give several)."""
+        return self.source_path.split(b"\0")
 
     def encode(self) -> bytes:
         head = _CHUNK_HEAD.pack(self.kind, self.refcount, self.length)
