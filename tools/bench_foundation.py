@@ -526,18 +526,23 @@ class Bench:
         if self.recording:
             self.samples[metric][target.name].append(value)
 
-    # --- the workloads; each returns the per-run detail dict
-    def run_seq(self, t: Target, tag: str) -> dict:
-        s, d = self.sizes, {}
-        wd = t.prepare(tag)
-        path = wd / "seq.bin"
+    def _timed_write(self, t: Target, tag: str, metric: str, name: str, total: int,
+                     block: int, d: dict) -> Path:
+        """Write total bytes in block-sized writes, then fsync and close, timed as metric."""
+        path = t.prepare(tag) / name
         os.sync()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        with self.timed(t, "seq_write", d):
-            write_stream(fd, self.pool.view, s.seq_bytes, s.seq_block)
+        with self.timed(t, metric, d):
+            write_stream(fd, self.pool.view, total, block)
             os.fsync(fd)
             os.close(fd)
         d.update(self._daemon_info(t, "write"))
+        return path
+
+    # --- the workloads; each returns the per-run detail dict
+    def run_seq(self, t: Target, tag: str) -> dict:
+        s, d = self.sizes, {}
+        path = self._timed_write(t, tag, "seq_write", "seq.bin", s.seq_bytes, s.seq_block, d)
         t.remount()
         buf = bytearray(s.seq_block)
         fd = os.open(path, os.O_RDONLY)
@@ -555,15 +560,7 @@ class Bench:
 
     def run_write_8k(self, t: Target, tag: str) -> dict:
         s, d = self.sizes, {}
-        wd = t.prepare(tag)
-        path = wd / "w8k.bin"
-        os.sync()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        with self.timed(t, "write_8k", d):
-            write_stream(fd, self.pool.view, s.small_bytes, s.small_block)
-            os.fsync(fd)
-            os.close(fd)
-        d.update(self._daemon_info(t, "write"))
+        path = self._timed_write(t, tag, "write_8k", "w8k.bin", s.small_bytes, s.small_block, d)
         verify_file(path, self.pool.view, s.small_bytes)
         t.finish()
         self.record("write_8k", t, s.small_bytes / MB / d["write_8k_s"])
