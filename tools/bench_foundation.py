@@ -205,7 +205,15 @@ class Target:
 
     def remount(self) -> None:
         """Unmount (committing everything), drop caches, mount again."""
-        raise NotImplementedError
+        self._unmount()
+        drop_caches()
+        self._mount()
+
+    def _mount(self) -> None:
+        """Mount the current workdir (nothing to do for a plain directory)."""
+
+    def _unmount(self) -> None:
+        """Unmount it, waiting for the daemon to finish."""
 
     def finish(self) -> None:
         """Unmount and delete everything this tag made."""
@@ -226,9 +234,6 @@ class RawTarget(Target):
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.workdir.mkdir(parents=True)
         return self.workdir
-
-    def remount(self) -> None:
-        drop_caches()
 
     def finish(self) -> None:
         if self.workdir is not None:
@@ -281,11 +286,6 @@ class BindfsTarget(Target):
             self.proc = None
             self.pid = None
 
-    def remount(self) -> None:
-        self._unmount()
-        drop_caches()
-        self._mount()
-
     def finish(self) -> None:
         self._unmount()
         for d in (self.workdir, self.src):
@@ -328,11 +328,6 @@ class CkptfsTarget(Target):
 
     def daemon_stats(self) -> dict:
         return json.loads(run(CKPTFS + ["stat", str(self.workdir), "--json"]))
-
-    def remount(self) -> None:
-        self._unmount()
-        drop_caches()
-        self._mount()
 
     def finish(self) -> None:
         self._unmount()
