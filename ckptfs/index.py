@@ -614,18 +614,12 @@ def delete_chunk(kv, chunk: Chunk) -> None:
         kv.delete("logmap", u64(chunk.log_off))
 
 
-def iter_extents(kv, ino: int, start: int = 0, end: int = 1 << 63) -> Iterator[Extent]:
+def iter_extents(kv: "Index", ino: int, start: int = 0, end: int = 1 << 63) -> Iterator[Extent]:
     """Extents of ino that overlap [start, end), in file order."""
     lo, hi = prefix_range(ino)
     # The extent that starts before `start` may still reach into the range.
-    if start > 0 and isinstance(kv, Index):
+    if start > 0:
         for k, v in kv.items("extents", lo, extent_key(ino, start), reverse=True):
-            e = extent_decode(k, v)
-            if e.end > start:
-                yield e
-            break
-    elif start > 0:
-        for k, v in reversed(list(kv.items("extents", lo, extent_key(ino, start)))):
             e = extent_decode(k, v)
             if e.end > start:
                 yield e
