@@ -150,10 +150,11 @@ class Filesystem:
 
     def lookup(self, parent: int, name: bytes) -> Attrs:
         inode = self.ns.lookup(parent, name)
-        self._remember(inode.ino)
+        self.count_lookup(inode.ino)
         return self.attrs(inode.ino)
 
-    def _remember(self, ino: int) -> None:
+    def count_lookup(self, ino: int) -> None:
+        """The kernel now holds one more reference to ino (until forget)."""
         self.lookups[ino] = self.lookups.get(ino, 0) + 1
 
     def forget(self, ino: int, nlookup: int) -> None:
@@ -208,12 +209,12 @@ class Filesystem:
                   rdev: int = 0, target: Optional[bytes] = None) -> Attrs:
         inode = self.ns.create(parent, name, mode, uid, gid, self.now_ns(), rdev=rdev,
                                target=target)
-        self._remember(inode.ino)
+        self.count_lookup(inode.ino)
         return self.attrs(inode.ino)
 
     def link(self, ino: int, parent: int, name: bytes) -> Attrs:
         inode = self.ns.link(ino, parent, name, self.now_ns())
-        self._remember(inode.ino)
+        self.count_lookup(inode.ino)
         return self.attrs(ino)
 
     def unlink(self, parent: int, name: bytes) -> None:

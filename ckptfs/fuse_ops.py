@@ -187,7 +187,7 @@ class CkptfsOperations(pyfuse3.Operations):
         for name, ino, cookie in self.fs.ns.entries(fh, max(start_id, 2)):
             if not pyfuse3.readdir_reply(token, name, self._entry(self.fs.attrs(ino)), cookie):
                 return
-            self.fs._remember(ino)      # readdirplus counts as a lookup
+            self.fs.count_lookup(ino)      # readdirplus counts as a lookup
 
     @_errno_edge
     async def releasedir(self, fh):
