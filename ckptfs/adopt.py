@@ -81,7 +81,7 @@ def adopt_tree(txn: DirectTxn, source_fd: int, counters: dict[bytes, int]) -> in
                 elif stat.S_ISREG(est.st_mode) and est.st_size > 0:
                     chunk = Chunk(next_id(b"next_chunk"), CHUNK_SOURCE, 1, est.st_size,
                                   source_path=path)
-                    ix.put_chunk(txn, chunk)
+                    ix.add_chunk(txn, chunk)
                     txn.put("extents", ix.extent_key(ino, 0),
                             ix.extent_encode(ix.Extent(0, est.st_size, chunk.chunk_no, 0)))
                     inode.size = inode.data_bytes = est.st_size

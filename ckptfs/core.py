@@ -24,7 +24,7 @@ import trio
 from . import index as ix
 from .errors import (BadFileHandle, CkptfsError, DamagedData, InvalidArgument, IsADirectory,
                      NoSpace, ReadOnly)
-from .files import DirtyFile, FileData, SourceFiles
+from .files import DirtyFile, FileData, SourceFiles, WritePlan
 from .index import Index, Inode
 from .namespace import Namespace
 from .pmemlog import PmemLog
@@ -72,11 +72,11 @@ class Attrs:
 
 class Filesystem:
     def __init__(self, index: Index, plog: PmemLog, sources: SourceFiles,
-                 policy: CommitPolicy) -> None:
+                 policy: CommitPolicy, dedup: bool = True) -> None:
         self.index = index
         self.log = plog
         self.ns = Namespace(index)
-        self.files = FileData(index, plog, sources)
+        self.files = FileData(index, plog, sources, dedup=dedup)
         self.policy = policy
         self.handles: dict[int, Handle] = {}
         self.open_count: dict[int, int] = {}
@@ -282,11 +282,15 @@ class Filesystem:
         if self.index.failure is not None:
             raise ReadOnly("filesystem is read-only after an index failure")
         h = self.handle(fh)
-        df = self.files.dirty.get(h.ino)
-        if df is None:
-            df = self.files.dirty_file(h.ino, self.ns.get(h.ino).size)
+        while True:
+            df = self.files.dirty.get(h.ino)
+            if df is None:
+                df = self.files.dirty_file(h.ino, self.ns.get(h.ino).size)
+            if df.committing is None:
+                break
+            await df.committing.wait()      # a commit is cutting this file's chunks
         try:
-            pieces = self.files.prepare_write(df, off, len(data))
+            plan = self.files.prepare_write(df, off, len(data))
         except CkptfsError as e:
             # A file that lost a write must not commit half of its new content.
             df.write_error = e
@@ -300,49 +304,99 @@ class Filesystem:
             df.idle = trio.Event()
         df.inflight += 1
         try:
-            if len(data) > SMALL_IO_BYTES:
-                await trio.to_thread.run_sync(self.files.store_blocking, data, pieces,
+            if plan.stream is not None:
+                await self._store_streamed(df, plan, data)
+            elif len(data) > SMALL_IO_BYTES:
+                await trio.to_thread.run_sync(self.files.store_blocking, plan, data,
                                               limiter=self.io_limiter)
             else:
-                self.files.store_blocking(data, pieces)
-        except OSError as e:
-            df.write_error = e
-            raise DamagedData(f"log write failed: {e}") from e
+                self.files.store_blocking(plan, data)
         except BaseException as e:
-            # Cancelled (a request aborted at unmount) or anything else: the
-            # bytes may not be in the log, so this content must never commit.
+            # Cancelled (a request aborted at unmount), an I/O error, anything:
+            # the bytes may not be in the log, so this content must never commit.
             df.write_error = e
+            if plan.stream is not None and df.stream is plan.stream:
+                self.files.end_stream(df)       # the chunker missed these bytes
+            if isinstance(e, OSError):
+                raise DamagedData(f"log write failed: {e}") from e
             raise
         finally:
             df.inflight -= 1
             if df.inflight == 0:
-                self.files.writes_settled(df)
+                self.files.io_settled(df)
                 df.idle.set()
         self.files.bytes_written += len(data)
         return len(data)
 
+    async def _store_streamed(self, df: DirtyFile, plan: WritePlan, data: bytes) -> None:
+        """Store a stream write and settle the chunks it completes, in stream order."""
+        stream = plan.stream
+        if len(data) <= SMALL_IO_BYTES and not stream.lock.locked():
+            infos = self.files.store_stream_blocking(plan, data)   # nobody ahead of us
+        else:
+            async with stream.lock:
+                infos = await trio.to_thread.run_sync(self.files.store_stream_blocking, plan,
+                                                      data, limiter=self.io_limiter)
+        self.files.settle(df, infos)
+
     async def _settled(self, ino: int) -> Optional[DirtyFile]:
-        """The file's overlay once no write is in flight (None if clean)."""
+        """The file's overlay once no write or commit is in flight (None if clean)."""
         while True:
             df = self.files.dirty.get(ino)
-            if df is None or df.inflight == 0:
+            if df is None:
+                return None
+            if df.inflight:
+                await df.idle.wait()
+            elif df.committing is not None:
+                await df.committing.wait()
+            else:
                 return df
-            await df.idle.wait()
 
     async def read(self, fh: int, off: int, size: int) -> bytes | bytearray:
         ino = self.handle(fh).ino
-        await self._settled(ino)
+        df = await self._settled(ino)
         attrs = self.attrs(ino)
         length, pieces = self.files.read_plan(ino, off, size, attrs.size)
         if not pieces:
             return bytes(length)
-        if length > SMALL_IO_BYTES:
-            data = await trio.to_thread.run_sync(self.files.read_blocking, length, pieces,
-                                                 limiter=self.io_limiter)
-        else:
-            data = self.files.read_blocking(length, pieces)
+        if df is not None:
+            df.readers += 1         # keeps uncommitted space it reads from being reused
+        try:
+            if length > SMALL_IO_BYTES:
+                data = await trio.to_thread.run_sync(self.files.read_blocking, length, pieces,
+                                                     limiter=self.io_limiter)
+            else:
+                data = self.files.read_blocking(length, pieces)
+        finally:
+            if df is not None:
+                df.readers -= 1
+                self.files.io_settled(df)
         self.files.bytes_read += length
         return data
+
+    async def _cut_for_commit(self, df: DirtyFile) -> None:
+        """Cut every byte of df not yet cut into chunks: the stream's unfinished
+        tail, then whatever was written out of order. Writes wait meanwhile."""
+        gate = df.committing = trio.Event()
+        try:
+            stream = df.stream
+            if stream is not None and stream.alive and stream.chunker.position:
+                infos = await self._maybe_in_thread(stream.chunker.position,
+                                                    self.files.finish_stream_blocking, stream)
+                self.files.settle(df, infos)
+            ranges = self.files.staged_ranges(df)
+            if ranges:
+                infos = await self._maybe_in_thread(sum(r[2] for r in ranges),
+                                                    self.files.cut_blocking, ranges)
+                self.files.settle(df, infos)
+        finally:
+            df.committing = None
+            gate.set()
+
+    async def _maybe_in_thread(self, nbytes: int, fn, *args):
+        if nbytes <= SMALL_IO_BYTES:
+            return fn(*args)
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.io_limiter)
 
     async def _commit(self, ino: int) -> int:
         """Put the file's overlay in the open batch; return the batch to wait for."""
@@ -360,6 +414,13 @@ class Filesystem:
             # Unlinked: nothing to commit (an orphan never comes back), but open
             # handles still read and write these bytes; `_purge` drops them.
             return self.index.current_seq()
+        if self.files.dedup:
+            await self._cut_for_commit(df)
+            if self.files.dirty.get(ino) is not df:
+                return await self._commit(ino)      # discarded while cutting: look again
+            inode = self.ns.get(ino)
+            if inode.nlink == 0:
+                return self.index.current_seq()     # unlinked while cutting
         self.files.commit_file(df, inode, self.now_ns())
         return self.index.current_seq()
 
@@ -394,8 +455,10 @@ class Filesystem:
             if left == 0:
                 seq = await self._commit(h.ino)
                 df = self.files.dirty.get(h.ino)
-                if df is not None and not df.dirty and df.inflight == 0:
-                    del self.files.dirty[h.ino]
+                if df is not None and df.inflight == 0 and df.committing is None:
+                    self.files.end_stream(df)
+                    if not df.dirty:
+                        del self.files.dirty[h.ino]
                 await self._wait_per_policy(seq)
         finally:
             # Count again: an open of the same inode may have arrived during the awaits.
@@ -429,13 +492,10 @@ class Filesystem:
             if stat.S_ISREG(inode.mode):
                 files += 1
                 logical += inode.size
-        stored = chunks = source = 0
-        for k, raw in self.index.items("chunks", ix.u64(0), ix.u64((1 << 64) - 1)):
-            chunk = ix.Chunk.decode(ix.read_u64(k), raw)
-            chunks += 1
-            stored += chunk.length
-            if chunk.kind == ix.CHUNK_SOURCE:
-                source += chunk.length
+        counters = self.index.counters
+        source = counters[b"stored_source_bytes"]
+        stored = counters[b"stored_log_bytes"] + source
+        chunks = counters[b"chunks"]
         hot = self.log.capacity_bytes - self.log.free_bytes
         return {
             "version": 1,
@@ -452,7 +512,10 @@ class Filesystem:
             "source_bytes": source,
             "cold_bytes": 0,
             "chunks": chunks,
+            "dedup": self.files.dedup,
             "dedup_ratio": round(logical / stored, 4) if stored else 1.0,
+            "dedup_hits": self.files.dedup_hits,
+            "dedup_saved_bytes": self.files.dedup_bytes,
             "open_files": len(self.open_count),
             "dirty_files": len(self.files.dirty),
             "commits": self.index.commits,

@@ -77,11 +77,12 @@ def open_state(opts: MountOptions) -> State:
         if not index.is_formatted():
             st = os.fstat(source_fd)
             index.format(ix.new_fs_uuid(), time.time_ns(), st.st_uid, st.st_gid)
-            counters = dict(index.counters)
+            counters = {name: index.counters[name] for name in ix.ID_COUNTERS}
             adopted = [0]
             index.write_direct(lambda txn: adopted.__setitem__(
                 0, adopt.adopt_tree(txn, source_fd, counters)))
             log.info("new ckptfs over %s; adopted %d existing entries", opts.source, adopted[0])
+        index.upgrade_format()
         fs_uuid = index.check_format()
         has_hot_data = next(ix.used_log_ranges(index), None) is not None
         if has_hot_data and not os.path.exists(opts.pmem_path):
@@ -157,7 +158,8 @@ def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
         _report(ready_fd, f"ckptfs: {e}")
         return 1
     fs = Filesystem(state.index, state.log, state.sources,
-                    CommitPolicy(sync=opts.sync, lazy_max_delay_s=opts.lazy_delay_s))
+                    CommitPolicy(sync=opts.sync, lazy_max_delay_s=opts.lazy_delay_s),
+                    dedup=opts.dedup)
     mounted = False
     try:
         # Resolve every path now: once mounted, a stat of the mountpoint from

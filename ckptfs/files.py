@@ -1,18 +1,33 @@
-"""Per-file extent maps: logical range -> chunk bytes.
+"""Per-file extent maps: logical range -> chunk bytes; deduplication.
 
 A file's committed map lives in the index (`extents`). While a file is open
 for writing, its changes gather in an in-memory `DirtyFile` overlay: new
-extents (pointing at chunks whose bytes are already in the log) and a
-truncation point. `commit_file` folds the overlay into the committed map in
-the index's open batch, so a file's new content becomes visible to a crash
-all at once or not at all.
+extents and a truncation point. `commit_file` folds the overlay into the
+committed map in the index's open batch, so a file's new content becomes
+visible to a crash all at once or not at all.
+
+Deduplication (docs/DEDUP.md). Written bytes first land in the log as
+*staged* data: a `StagedRecord` is log space the overlay points into whose
+bytes are not yet cut into chunks. Staged bytes are then *settled*: cut into
+content-defined chunks (`chunker.Chunker`), each named by its BLAKE3 id; a
+chunk whose id is already stored is not kept twice: the overlay points at
+the stored chunk and the staged bytes go back to the log at once.
+- A sequential write stream (a file written front to back, what every
+  checkpoint writer does) is cut as it arrives: its writes land
+  contiguously in a reserved *arena*, so a chunk never straddles two
+  places, and each completed chunk is settled right after its write.
+- Anything else (random writes, overwrites, the stream's unfinished tail)
+  is cut when the file is committed.
 
 Chunk reference counts: a chunk's refcount in the index is the number of
 committed extents pointing into it. Splitting an extent adds a reference,
 dropping one removes one; a chunk reaching zero is deleted in the same batch
-and its log space is released once that batch is durable. Chunks written but
-never committed (overwritten while still dirty) are released at once, since
-no durable index names them.
+and its log space is released once that batch is durable. A stored chunk an
+uncommitted overlay points at is *pinned*: if its last committed reference
+goes meanwhile, its record is deleted as usual but its bytes stay (a
+*zombie*) until the overlay either commits (the chunk is stored again, same
+number, same bytes) or lets go. Chunks written but never committed are
+released at once, since no durable index names them.
 
 Everything here runs on the trio thread except the `*_blocking` functions,
 which do the byte work and belong on a worker thread when large.
@@ -25,18 +40,110 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import trio
 
 from . import index as ix
-from .errors import DamagedData, FileTooLarge
+from .chunker import Chunker, chunk_buffer, chunk_id
+from .errors import CkptfsError, DamagedData, FileTooLarge
 from .index import CHUNK_LOG, CHUNK_SOURCE, Chunk, Extent, Index
 from .pmemlog import PmemLog
 
 log = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 1 << 62
+CHUNK_STAGED = 0                 # in memory only: never in the index
+ARENA_BYTES = 64 << 20           # log space a write stream reserves at a time
+
+
+@dataclass(eq=False)
+class StagedRecord:
+    """Log space holding written bytes not yet cut into chunks.
+
+    Bytes at chunk_off lie at log_off + chunk_off and belong to file offset
+    file_base + chunk_off. `owned` is the log space still to be given back
+    when the record retires (no overlay extent left, no stream writing into
+    it); settling a chunk takes its range out.
+    """
+
+    chunk_no: int                    # negative: never collides with stored chunks
+    log_off: int
+    length: int
+    file_base: int
+    owned: list[tuple[int, int]]
+    held: bool = False               # a stream still writes into it
+    kind: int = CHUNK_STAGED
+
+    def take(self, off: int, length: int) -> bool:
+        """Remove [off, off+length) from the owned space; False if not all owned."""
+        for i, (a, n) in enumerate(self.owned):
+            if a <= off and off + length <= a + n:
+                rest = []
+                if off > a:
+                    rest.append((a, off - a))
+                if off + length < a + n:
+                    rest.append((off + length, a + n - off - length))
+                self.owned[i:i + 1] = rest
+                return True
+        return False
+
+    def grow(self, nbytes: int) -> None:
+        """The log space right after the record was reserved for it too."""
+        end = self.log_off + self.length
+        if self.owned and sum(self.owned[-1]) == end:
+            a, n = self.owned[-1]
+            self.owned[-1] = (a, n + nbytes)
+        else:
+            self.owned.append((end, nbytes))
+        self.length += nbytes
+
+
+@dataclass(slots=True)
+class ChunkInfo:
+    """A chunk cut out of staged bytes, named, not yet settled."""
+
+    staged_no: int
+    file_off: int
+    length: int
+    log_off: int
+    chunk_id: bytes
+    crcs: bytes
+
+
+@dataclass(eq=False)
+class ChunkStream:
+    """A file being written front to back, cut into chunks as it arrives.
+
+    Writes are fed to the chunker in file order, one at a time (`lock`, which
+    trio hands over first come, first served: the order writes arrived in).
+    """
+
+    base: int                        # file offset of the chunker's position 0
+    next_off: int                    # where the next write must start to continue it
+    chunker: Chunker
+    arena: Optional[StagedRecord] = None
+    cursor: int = 0                  # log offset for the next byte in the arena
+    # (file offset, log offset, staged no) where each arena begins, for cuts.
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    alive: bool = True
+    lock: trio.Lock = field(default_factory=trio.Lock)
+
+    def locate(self, file_off: int) -> tuple[int, int]:
+        """(log offset, staged no) of a streamed byte."""
+        i = bisect.bisect_right(self.segments, (file_off, 1 << 64, 0)) - 1
+        seg_file, seg_log, staged_no = self.segments[i]
+        return seg_log + (file_off - seg_file), staged_no
+
+
+@dataclass
+class WritePlan:
+    """Where a write's bytes go: (log offset, offset in data, length) pieces."""
+
+    pieces: list[tuple[int, int, int]]
+    chunks: list[Optional[Chunk]]        # dedup off: the chunk each piece is, for its CRCs
+    stream: Optional[ChunkStream] = None
+    cut_at: Optional[int] = None         # a new arena: force a chunk cut at this file offset
 
 
 @dataclass
@@ -48,14 +155,19 @@ class DirtyFile:
     extents: list[Extent] = field(default_factory=list)    # sorted, non-overlapping
     starts: list[int] = field(default_factory=list)         # file_off of each extent
     new_chunks: dict[int, Chunk] = field(default_factory=dict)
-    new_chunk_refs: Counter = field(default_factory=Counter)
+    staged: dict[int, StagedRecord] = field(default_factory=dict)
+    new_chunk_refs: Counter = field(default_factory=Counter)  # overlay extents per chunk no
+    pending_ids: dict[bytes, int] = field(default_factory=dict)   # id -> new chunk no
+    stream: Optional[ChunkStream] = None
     trunc_to: Optional[int] = None   # committed bytes at and after this are gone
     mtime_ns: Optional[int] = None
     ctime_ns: Optional[int] = None
     inflight: int = 0
+    readers: int = 0
     idle: trio.Event = field(default_factory=trio.Event)
+    committing: Optional[trio.Event] = None   # set while a commit cuts chunks
     write_error: Optional[BaseException] = None
-    release_when_settled: list[Chunk] = field(default_factory=list)
+    release_when_settled: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -65,11 +177,14 @@ class DirtyFile:
         return bool(self.extents) or self.trunc_to is not None or self.mtime_ns is not None
 
 
+AnyChunk = Union[Chunk, StagedRecord]
+
+
 @dataclass(slots=True)
 class ReadPiece:
     dst_off: int
     length: int
-    chunk: Chunk
+    chunk: AnyChunk
     chunk_off: int
 
 
@@ -128,15 +243,22 @@ class SourceFiles:
 
 
 class FileData:
-    """Owns extent maps and chunk lifetimes; reads and writes file bytes."""
+    """Owns extent maps and chunk lifetimes; reads, writes and deduplicates file bytes."""
 
-    def __init__(self, index: Index, plog: PmemLog, sources: SourceFiles) -> None:
+    def __init__(self, index: Index, plog: PmemLog, sources: SourceFiles,
+                 dedup: bool = True) -> None:
         self.index = index
         self.log = plog
         self.sources = sources
+        self.dedup = dedup
         self.dirty: dict[int, DirtyFile] = {}
+        self.pinned: Counter = Counter()          # stored chunk no -> overlays naming it
+        self.zombies: dict[int, Chunk] = {}       # pinned chunks deleted from the index
+        self._next_staged = -1
         self.bytes_written = 0
         self.bytes_read = 0
+        self.dedup_hits = 0                       # chunks found already stored
+        self.dedup_bytes = 0                      # their bytes, not stored again
 
     # ------------------------------------------------------------- dirty state
 
@@ -146,40 +268,236 @@ class FileData:
             df = self.dirty[ino] = DirtyFile(ino, size)
         return df
 
-    def prepare_write(self, df: DirtyFile, off: int, nbytes: int
-                      ) -> list[tuple[Chunk, int, int]]:
+    def prepare_write(self, df: DirtyFile, off: int, nbytes: int) -> WritePlan:
         """Reserve log space for a write and put it in the file's overlay now.
 
-        Returns (chunk, offset in data, length) pieces for `store_blocking`.
         The overlay is updated before the bytes land so that overlapping
         writes keep their arrival order; readers wait for `df.idle` first.
         """
         if off + nbytes > MAX_FILE_BYTES:
             raise FileTooLarge(f"write beyond {MAX_FILE_BYTES} bytes")
-        pieces = []
-        pos = 0
-        for log_off, usable in self.log.allocate(nbytes):
-            chunk = Chunk(self.index.allocate_id(b"next_chunk"), CHUNK_LOG, 0, usable,
-                          log_off=log_off)
-            df.new_chunks[chunk.chunk_no] = chunk
-            self._put_dirty(df, Extent(off + pos, usable, chunk.chunk_no, 0))
-            pieces.append((chunk, pos, usable))
-            pos += usable
+        plan = None
+        if self.dedup:
+            if df.stream is None and off == df.size and nbytes:
+                df.stream = ChunkStream(off, off, Chunker(detect_format=off == 0))
+            if df.stream is not None and off == df.stream.next_off:
+                plan = self._stream_reserve(df, df.stream, off, nbytes)
+                if plan is None:       # no contiguous room left: stop cutting as it streams
+                    self.end_stream(df)
+        if plan is None:
+            plan = WritePlan([], [])
+            pos = 0
+            for log_off, length in self.log.allocate(nbytes):
+                if self.dedup:
+                    target: AnyChunk = self._new_staged(df, log_off, length, off + pos)
+                    plan.chunks.append(None)
+                else:
+                    target = Chunk(self.index.allocate_id(b"next_chunk"), CHUNK_LOG, 0, length,
+                                   log_off=log_off)
+                    df.new_chunks[target.chunk_no] = target
+                    plan.chunks.append(target)
+                self._put_dirty(df, Extent(off + pos, length, target.chunk_no, 0))
+                plan.pieces.append((log_off, pos, length))
+                pos += length
         df.size = max(df.size, off + nbytes)
-        return pieces
+        return plan
 
-    def store_blocking(self, data: bytes, pieces: list[tuple[Chunk, int, int]]) -> None:
+    def _new_staged(self, df: DirtyFile, log_off: int, length: int, file_base: int
+                    ) -> StagedRecord:
+        staged = StagedRecord(self._next_staged, log_off, length, file_base, [(log_off, length)])
+        self._next_staged -= 1
+        df.staged[staged.chunk_no] = staged
+        return staged
+
+    def _stream_reserve(self, df: DirtyFile, stream: ChunkStream, off: int, nbytes: int
+                        ) -> Optional[WritePlan]:
+        """Room for the stream's next write right after its previous one, or None."""
+        arena = stream.arena
+        cut_at = None
+        if arena is None or stream.cursor + nbytes > arena.log_off + arena.length:
+            end = None if arena is None else arena.log_off + arena.length
+            need = stream.cursor + nbytes - end if end is not None else nbytes
+            grow = max(need, min(ARENA_BYTES, self.log.free_bytes // 8))
+            if end is not None and self.log.reserve(grow, at=end) is not None:
+                arena.grow(grow)
+            else:
+                size = max(nbytes, min(ARENA_BYTES, self.log.free_bytes // 8))
+                log_off = self.log.reserve(size)
+                if log_off is None:
+                    size = nbytes
+                    log_off = self.log.reserve(size)
+                    if log_off is None:
+                        return None
+                if arena is not None:
+                    # The rest of the old arena is unused: give it back now.
+                    unused = arena.log_off + arena.length - stream.cursor
+                    if unused and arena.take(stream.cursor, unused):
+                        arena.length -= unused
+                        self.log.release(stream.cursor, unused)
+                    self._unhold(df, arena)
+                    cut_at = off        # a chunk never straddles two arenas
+                # Bytes at chunk offset c belong to file offset off + c.
+                arena = stream.arena = self._new_staged(df, log_off, size, off)
+                arena.held = True
+                stream.cursor = log_off
+                stream.segments.append((off, log_off, arena.chunk_no))
+        log_off = stream.cursor
+        stream.cursor += nbytes
+        stream.next_off += nbytes
+        self._put_dirty(df, Extent(off, nbytes, arena.chunk_no, log_off - arena.log_off))
+        return WritePlan([(log_off, 0, nbytes)], [None], stream, cut_at)
+
+    def end_stream(self, df: DirtyFile) -> None:
+        """Stop cutting df's writes as they arrive; what is left is cut at commit."""
+        stream = df.stream
+        if stream is None:
+            return
+        stream.alive = False
+        df.stream = None
+        if stream.arena is not None:
+            self._unhold(df, stream.arena)
+
+    def _unhold(self, df: DirtyFile, staged: StagedRecord) -> None:
+        staged.held = False
+        self._maybe_retire(df, staged)
+
+    def _maybe_retire(self, df: DirtyFile, staged: StagedRecord) -> None:
+        if staged.held or df.new_chunk_refs.get(staged.chunk_no, 0) > 0:
+            return
+        del df.staged[staged.chunk_no]
+        for off, length in staged.owned:
+            self._release(df, off, length, stored=False)
+        staged.owned.clear()
+
+    def store_blocking(self, plan: WritePlan, data: bytes) -> None:
         """Copy a write's bytes into the log. May block."""
         view = memoryview(data)
-        for chunk, pos, length in pieces:
-            chunk.crcs = self.log.store(chunk.log_off, view[pos:pos + length])
+        for (log_off, pos, length), chunk in zip(plan.pieces, plan.chunks):
+            if chunk is None:
+                self.log.write(log_off, view[pos:pos + length])
+            else:
+                chunk.crcs = self.log.store(log_off, view[pos:pos + length])
+
+    def store_stream_blocking(self, plan: WritePlan, data: bytes) -> list[ChunkInfo]:
+        """Copy a stream write into its arena and cut the chunks it completes. May block.
+
+        Callers hold the stream's lock: the chunker sees the writes in file order.
+        """
+        self.store_blocking(plan, data)
+        stream = plan.stream
+        if not stream.alive:
+            return []
+        if plan.cut_at is not None:
+            stream.chunker.add_boundaries([plan.cut_at - stream.base])
+        return [self._name_streamed(stream, stream.base + at, length)
+                for at, length in stream.chunker.feed(data)]
+
+    def finish_stream_blocking(self, stream: ChunkStream) -> list[ChunkInfo]:
+        """Cut the stream's unfinished tail; later writes start a fresh chunker. May block."""
+        infos = [self._name_streamed(stream, stream.base + at, length)
+                 for at, length in stream.chunker.finish()]
+        stream.base = stream.next_off
+        stream.chunker = Chunker(detect_format=False)
+        return infos
+
+    def _name_streamed(self, stream: ChunkStream, file_off: int, length: int) -> ChunkInfo:
+        log_off, staged_no = stream.locate(file_off)
+        return self._name(staged_no, file_off, length, log_off)
+
+    def _name(self, staged_no: int, file_off: int, length: int, log_off: int) -> ChunkInfo:
+        """BLAKE3 id and CRCs of chunk bytes already in the log. May block."""
+        view = self.log.view(log_off, length)
+        try:
+            return ChunkInfo(staged_no, file_off, length, log_off, chunk_id(view),
+                             self.log.crcs_of(view))
+        finally:
+            view.release()
+
+    def cut_blocking(self, ranges: list[tuple[int, int, int, int]]) -> list[ChunkInfo]:
+        """Cut staged ranges (staged no, file offset, length, log offset) into named
+        chunks: the commit-time path for bytes not cut as they streamed in. May block."""
+        infos = []
+        for staged_no, file_off, length, log_off in ranges:
+            view = self.log.view(log_off, length)
+            try:
+                cuts = chunk_buffer(view, detect_format=file_off == 0)
+            finally:
+                view.release()
+            infos.extend(self._name(staged_no, file_off + at, n, log_off + at) for at, n in cuts)
+        return infos
+
+    def settle(self, df: DirtyFile, infos: list[ChunkInfo]) -> None:
+        """Turn named chunks of staged bytes into chunks, stored once."""
+        for info in infos:
+            staged = df.staged.get(info.staged_no)
+            if staged is None:
+                continue                     # retired: nothing points at these bytes
+            a, b = info.file_off, info.file_off + info.length
+            covering = [e for e in self._dirty_in(df, a, b) if e.chunk_no == staged.chunk_no]
+            if not covering or not staged.take(info.log_off, info.length):
+                continue                     # overwritten meanwhile: retires with the record
+            target = self._stored_twin(df, info.chunk_id)
+            if target is None:
+                chunk = Chunk(self.index.allocate_id(b"next_chunk"), CHUNK_LOG, 0, info.length,
+                              log_off=info.log_off, crcs=info.crcs, chunk_id=info.chunk_id)
+                df.new_chunks[chunk.chunk_no] = chunk
+                df.pending_ids[info.chunk_id] = chunk.chunk_no
+                target = chunk.chunk_no
+            else:
+                self.dedup_hits += 1
+                self.dedup_bytes += info.length
+                self._release(df, info.log_off, info.length, stored=True)
+            for e in covering:
+                s, t = max(e.file_off, a), min(e.end, b)
+                self._put_dirty(df, Extent(s, t - s, target, s - a))
+
+    def _stored_twin(self, df: DirtyFile, cid: bytes) -> Optional[int]:
+        """A chunk with these bytes already stored (committed, or new in this file)."""
+        chunk_no = df.pending_ids.get(cid)
+        if chunk_no is not None:
+            return chunk_no
+        chunk = ix.find_chunk(self.index, cid)
+        return None if chunk is None else chunk.chunk_no
+
+    def staged_ranges(self, df: DirtyFile) -> list[tuple[int, int, int, int]]:
+        """Every staged byte range the overlay still points at, for `cut_blocking`."""
+        ranges: list[tuple[int, int, int, int]] = []
+        for staged in list(df.staged.values()):
+            if not df.new_chunk_refs.get(staged.chunk_no):
+                continue
+            lo = staged.file_base
+            for e in self._dirty_in(df, lo, lo + staged.length):
+                if e.chunk_no != staged.chunk_no:
+                    continue
+                log_off = staged.log_off + e.chunk_off
+                last = ranges[-1] if ranges else None
+                if last and last[0] == staged.chunk_no and last[1] + last[2] == e.file_off:
+                    ranges[-1] = (last[0], last[1], last[2] + e.length, last[3])
+                else:
+                    ranges.append((staged.chunk_no, e.file_off, e.length, log_off))
+        return ranges
+
+    def _dirty_in(self, df: DirtyFile, a: int, b: int) -> list[Extent]:
+        i = max(bisect.bisect_right(df.starts, a) - 1, 0)
+        out = []
+        while i < len(df.extents) and df.extents[i].file_off < b:
+            e = df.extents[i]
+            if e.end > a:
+                out.append(e)
+            i += 1
+        return out
 
     def _put_dirty(self, df: DirtyFile, e: Extent) -> None:
         self._cut_dirty(df, e.file_off, e.end)
         i = bisect.bisect_left(df.starts, e.file_off)
         df.extents.insert(i, e)
         df.starts.insert(i, e.file_off)
-        df.new_chunk_refs[e.chunk_no] += 1
+        self._add_dirty_ref(df, e.chunk_no)
+
+    def _add_dirty_ref(self, df: DirtyFile, chunk_no: int) -> None:
+        if not df.new_chunk_refs[chunk_no] and chunk_no > 0 and chunk_no not in df.new_chunks:
+            self.pinned[chunk_no] += 1        # a stored chunk: keep its bytes for us
+        df.new_chunk_refs[chunk_no] += 1
 
     def _cut_dirty(self, df: DirtyFile, a: int, b: int) -> None:
         """Remove [a, b) from the overlay, trimming extents that straddle it."""
@@ -203,24 +521,57 @@ class FileData:
 
     def _drop_dirty_ref(self, df: DirtyFile, chunk_no: int, delta: int) -> None:
         df.new_chunk_refs[chunk_no] += delta
-        if df.new_chunk_refs[chunk_no] <= 0:
-            del df.new_chunk_refs[chunk_no]
-            chunk = df.new_chunks.pop(chunk_no, None)
-            if chunk is not None:
-                # Never committed, so no durable index names this space; but a
-                # store into it may still be running in a worker thread.
-                if df.inflight:
-                    df.release_when_settled.append(chunk)
-                else:
-                    self.log.release(chunk.log_off, chunk.length)
+        if df.new_chunk_refs[chunk_no] > 0:
+            return
+        del df.new_chunk_refs[chunk_no]
+        if chunk_no < 0:
+            staged = df.staged.get(chunk_no)
+            if staged is not None:
+                self._maybe_retire(df, staged)
+            return
+        chunk = df.new_chunks.pop(chunk_no, None)
+        if chunk is None:
+            self._unpin(chunk_no)
+            return
+        if chunk.chunk_id:
+            df.pending_ids.pop(chunk.chunk_id, None)
+        # Never committed, so no durable index names this space. A chunk with
+        # an id was cut from bytes already stored; one without may still be
+        # being written (dedup off).
+        self._release(df, chunk.log_off, chunk.length, stored=bool(chunk.chunk_id))
 
-    def writes_settled(self, df: DirtyFile) -> None:
-        """No write of df is in flight any more: free the space overwritten meanwhile."""
-        for chunk in df.release_when_settled:
-            self.log.release(chunk.log_off, chunk.length)
+    def _release(self, df: DirtyFile, off: int, length: int, stored: bool) -> None:
+        """Give uncommitted log space back once no I/O of df can touch it.
+
+        stored=True: the bytes are in place (no write into them is pending),
+        so only a read in flight holds them up.
+        """
+        if df.readers or (df.inflight and not stored):
+            df.release_when_settled.append((off, length))
+        else:
+            self.log.release(off, length)
+
+    def _unpin(self, chunk_no: int) -> None:
+        self.pinned[chunk_no] -= 1
+        if self.pinned[chunk_no] > 0:
+            return
+        del self.pinned[chunk_no]
+        zombie = self.zombies.pop(chunk_no, None)
+        if zombie is not None:
+            # Its deletion is in this batch or an earlier one: reuse after it is durable.
+            self.index.after_durable(lambda: self.log.release(zombie.log_off, zombie.length))
+
+    def io_settled(self, df: DirtyFile) -> None:
+        """No read or write of df is in flight: free the space given up meanwhile."""
+        if df.inflight or df.readers:
+            return
+        for off, length in df.release_when_settled:
+            self.log.release(off, length)
         df.release_when_settled.clear()
 
     def truncate_dirty(self, df: DirtyFile, size: int) -> None:
+        if df.stream is not None and size < df.stream.next_off:
+            self.end_stream(df)
         self._cut_dirty(df, size, MAX_FILE_BYTES)
         if size < df.size:
             df.trunc_to = size if df.trunc_to is None else min(df.trunc_to, size)
@@ -228,6 +579,7 @@ class FileData:
 
     def discard(self, df: DirtyFile) -> None:
         """Forget uncommitted changes (file unlinked, or daemon giving up)."""
+        self.end_stream(df)
         self._cut_dirty(df, 0, MAX_FILE_BYTES)
         self.dirty.pop(df.ino, None)
 
@@ -255,8 +607,9 @@ class FileData:
                 if a > pos:
                     self._committed_pieces(ino, pos, min(a, committed_end), off, pieces)
                 b = min(e.end, end)
-                pieces.append(ReadPiece(a - off, b - a, df.new_chunks.get(e.chunk_no)
-                                        or self._chunk(e.chunk_no), e.chunk_off + (a - e.file_off)))
+                chunk = df.new_chunks.get(e.chunk_no) or df.staged.get(e.chunk_no) \
+                    or self._chunk(e.chunk_no)
+                pieces.append(ReadPiece(a - off, b - a, chunk, e.chunk_off + (a - e.file_off)))
                 pos = b
         if pos < committed_end:
             self._committed_pieces(ino, pos, committed_end, off, pieces)
@@ -272,7 +625,7 @@ class FileData:
                                     e.chunk_off + (s - e.file_off)))
 
     def _chunk(self, chunk_no: int) -> Chunk:
-        chunk = ix.get_chunk(self.index, chunk_no)
+        chunk = ix.get_chunk(self.index, chunk_no) or self.zombies.get(chunk_no)
         if chunk is None:
             raise DamagedData(f"extent names missing chunk {chunk_no}")
         return chunk
@@ -286,6 +639,8 @@ class FileData:
             if p.chunk.kind == CHUNK_LOG:
                 self.log.read_into(dst, p.chunk.log_off, p.chunk.length, p.chunk.crcs,
                                    p.chunk_off)
+            elif p.chunk.kind == CHUNK_STAGED:
+                self.log.read_unverified_into(dst, p.chunk.log_off + p.chunk_off)
             elif p.chunk.kind == CHUNK_SOURCE:
                 self.sources.read_into(dst, p.chunk.source_paths[0], p.chunk_off)
             else:
@@ -295,26 +650,41 @@ class FileData:
     # ----------------------------------------------------------------- commit
 
     def commit_file(self, df: DirtyFile, inode: ix.Inode, now_ns: int) -> ix.Inode:
-        """Fold the overlay into the index's open batch. Caller waited for df.idle."""
+        """Fold the overlay into the index's open batch.
+
+        The caller waited for df.idle and cut every staged byte into chunks.
+        """
+        if df.staged and any(df.new_chunk_refs.get(no) for no in df.staged):
+            raise CkptfsError(f"inode {df.ino}: uncut bytes at commit (internal error)")
+        pinned = [no for no in df.new_chunk_refs if no > 0 and no not in df.new_chunks]
+        twins = self._committed_twins(df)
+        refs: Counter = Counter()
+        for i, e in enumerate(df.extents):
+            if e.chunk_no in twins:
+                e = df.extents[i] = Extent(e.file_off, e.length, twins[e.chunk_no], e.chunk_off)
+            refs[e.chunk_no] += 1
+        # References to stored chunks first: a file rewritten with bytes it
+        # already had never takes those chunks to zero on the way.
+        for chunk_no, n in refs.items():
+            if chunk_no not in df.new_chunks:
+                self._add_refs(chunk_no, n)
         if df.trunc_to is not None:
             inode.data_bytes -= self._punch(df.ino, df.trunc_to, MAX_FILE_BYTES)
         # A new file or an O_TRUNC rewrite has nothing left to punch out.
         overwrites = next(ix.iter_extents(self.index, df.ino), None) is not None
-        refs: Counter = Counter()
         for e in df.extents:
             if overwrites:
                 inode.data_bytes -= self._punch(df.ino, e.file_off, e.end)
             self.index.put("extents", ix.extent_key(df.ino, e.file_off), ix.extent_encode(e))
             inode.data_bytes += e.length
-            refs[e.chunk_no] += 1
         for chunk_no, n in refs.items():
             chunk = df.new_chunks.pop(chunk_no, None)
             if chunk is not None:
                 chunk.refcount = n
-                ix.put_chunk(self.index, chunk)
+                ix.add_chunk(self.index, chunk)
                 self.index.persist_before_commit(chunk.log_off, chunk.length)
-            else:
-                self._add_refs(chunk_no, n)
+        for chunk_no in pinned:
+            self._unpin(chunk_no)
         inode.size = df.size
         if df.mtime_ns is not None:
             inode.mtime_ns = df.mtime_ns
@@ -323,9 +693,26 @@ class FileData:
         df.extents.clear()
         df.starts.clear()
         df.new_chunk_refs.clear()
+        df.pending_ids.clear()
         df.trunc_to = None
         df.mtime_ns = df.ctime_ns = None
         return inode
+
+    def _committed_twins(self, df: DirtyFile) -> dict[int, int]:
+        """New chunks whose bytes another file committed since they were cut:
+        use the stored chunk and give this copy back."""
+        twins: dict[int, int] = {}
+        for chunk_no, chunk in list(df.new_chunks.items()):
+            if not chunk.chunk_id:
+                continue
+            stored = ix.find_chunk(self.index, chunk.chunk_id)
+            if stored is not None and stored.chunk_no != chunk_no:
+                twins[chunk_no] = stored.chunk_no
+                del df.new_chunks[chunk_no]
+                self.dedup_hits += 1
+                self.dedup_bytes += chunk.length
+                self._release(df, chunk.log_off, chunk.length, stored=True)
+        return twins
 
     def truncate_committed(self, inode: ix.Inode, size: int) -> None:
         """Truncate a file that is not open for writing, in the open batch."""
@@ -358,6 +745,12 @@ class FileData:
     def _add_refs(self, chunk_no: int, delta: int) -> None:
         if delta == 0:
             return
+        zombie = self.zombies.pop(chunk_no, None)
+        if zombie is not None:
+            # A pinned chunk whose last reference went: stored again, same bytes.
+            zombie.refcount = delta
+            ix.add_chunk(self.index, zombie)
+            return
         chunk = self._chunk(chunk_no)
         chunk.refcount += delta
         if chunk.refcount > 0:
@@ -365,6 +758,9 @@ class FileData:
             return
         ix.delete_chunk(self.index, chunk)
         if chunk.kind == CHUNK_LOG:
+            if self.pinned.get(chunk_no):
+                self.zombies[chunk_no] = chunk
+                return
             self.index.after_durable(lambda: self.log.release(chunk.log_off, chunk.length))
         elif chunk.kind == CHUNK_SOURCE:
             self.index.after_durable(lambda: [self.sources.remove(path)

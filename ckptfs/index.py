@@ -13,6 +13,9 @@ order; little-endian in values):
               b"next_ino", b"next_chunk", b"next_cookie" -> u64 counters;
                            ids are never reused
               b"clean"  -> b"1" after a clean unmount, b"0" while mounted
+              b"chunks", b"stored_log_bytes", b"stored_source_bytes" -> u64
+                           totals over the chunk table, kept in the same
+                           transactions as the chunks (what `ckptfs stat` shows)
     inodes    ino -> Inode (see INODE_STRUCT). `parent` is kept for
               directories only (they have exactly one); `data_bytes` is the
               sum of extent lengths (what `du` shows).
@@ -27,10 +30,14 @@ order; little-endian in values):
               number of extents that point into the chunk; a chunk whose
               refcount drops to 0 is deleted in the same transaction and
               its space is reused only after that transaction is durable.
-              kind LOG:    log offset + CRC-32C per CRC_BLOCK_BYTES block
+              kind LOG:    log offset + chunk id (BLAKE3-256 of the bytes; all
+                           zeros for data stored without dedup) + CRC-32C
+                           per CRC_BLOCK_BYTES block
               kind SOURCE: path of a file that was in the directory before
                            it was mounted over (relative to SOURCE); a file
                            with hard links lists every name, NUL-separated
+    chunkids  chunk id -> chunk no, for every chunk that has an id: how a
+              write finds that its bytes are already stored
     logmap    log offset -> chunk no, for every LOG chunk: the log's used
               space, so the free space is its complement (read at mount)
     xattrs    ino + name -> value
@@ -63,7 +70,7 @@ from .errors import FormatError, IndexFailure, NoSpace, ReadOnly
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2      # 1: no chunk ids (upgraded in place by upgrade_format)
 ROOT_INO = 1
 FIRST_COOKIE = 16  # cookies 1 and 2 are "." and ".." in readdir
 CRC_BLOCK_BYTES = 64 * 1024
@@ -71,8 +78,15 @@ CRC_BLOCK_BYTES = 64 * 1024
 CHUNK_LOG = 1
 CHUNK_SOURCE = 2
 
-DB_NAMES = ("meta", "inodes", "dirents", "dirlist", "extents", "chunks",
+DB_NAMES = ("meta", "inodes", "dirents", "dirlist", "extents", "chunks", "chunkids",
             "logmap", "xattrs", "symlinks", "orphans")
+
+CHUNK_ID_BYTES = 32
+NO_CHUNK_ID = bytes(CHUNK_ID_BYTES)
+
+ID_COUNTERS = (b"next_ino", b"next_chunk", b"next_cookie")
+# Totals over the chunk table; add_chunk/delete_chunk keep them exact.
+STAT_COUNTERS = (b"chunks", b"stored_log_bytes", b"stored_source_bytes")
 
 _U64 = struct.Struct(">Q")
 _U64x2 = struct.Struct(">QQ")
@@ -149,6 +163,7 @@ class Chunk:
     log_off: int = 0                 # CHUNK_LOG
     crcs: bytes = b""                # CHUNK_LOG: u32 LE per CRC_BLOCK_BYTES block
     source_path: bytes = b""         # CHUNK_SOURCE: its original path(s), NUL-separated
+    chunk_id: bytes = b""            # BLAKE3-256 of the bytes; b"" when not deduplicated
 
     @property
     def source_paths(self) -> list[bytes]:
@@ -158,7 +173,7 @@ class Chunk:
     def encode(self) -> bytes:
         head = _CHUNK_HEAD.pack(self.kind, self.refcount, self.length)
         if self.kind == CHUNK_LOG:
-            return head + _LOGLOC.pack(self.log_off) + self.crcs
+            return head + _LOGLOC.pack(self.log_off) + (self.chunk_id or NO_CHUNK_ID) + self.crcs
         return head + self.source_path
 
     @classmethod
@@ -166,8 +181,10 @@ class Chunk:
         kind, refcount, length = _CHUNK_HEAD.unpack_from(b)
         rest = b[_CHUNK_HEAD.size:]
         if kind == CHUNK_LOG:
-            return cls(chunk_no, kind, refcount, length,
-                       log_off=_LOGLOC.unpack_from(rest)[0], crcs=bytes(rest[_LOGLOC.size:]))
+            cid_end = _LOGLOC.size + CHUNK_ID_BYTES
+            cid = bytes(rest[_LOGLOC.size:cid_end])
+            return cls(chunk_no, kind, refcount, length, log_off=_LOGLOC.unpack_from(rest)[0],
+                       crcs=bytes(rest[cid_end:]), chunk_id=b"" if cid == NO_CHUNK_ID else cid)
         if kind == CHUNK_SOURCE:
             return cls(chunk_no, kind, refcount, length, source_path=bytes(rest))
         raise FormatError(f"chunk {chunk_no}: unknown kind {kind}")
@@ -243,16 +260,54 @@ class Index:
 
     def check_format(self) -> bytes:
         """Return the filesystem uuid; refuse an index of another format."""
-        raw = self.get("meta", b"format")
-        if raw is None:
-            raise FormatError(f"{self.path} holds no ckptfs index")
-        (version,) = struct.unpack("<I", raw)
+        version = self.format_version()
+        if version == 1:
+            raise FormatError(f"{self.path} holds a format 1 index: mount it once with this "
+                              "ckptfs to upgrade it (fsck does not change formats)")
         if version != FORMAT_VERSION:
             raise FormatError(f"index format {version} is not supported (expected {FORMAT_VERSION})")
         return self.get("meta", b"uuid") or b""
 
+    def format_version(self) -> int:
+        raw = self.get("meta", b"format")
+        if raw is None:
+            raise FormatError(f"{self.path} holds no ckptfs index")
+        return struct.unpack("<I", raw)[0]
+
+    def upgrade_format(self) -> bool:
+        """Bring an older index to FORMAT_VERSION in one transaction. May block.
+
+        Format 1 had no chunk ids and no chunk totals: every LOG chunk gets an
+        all-zero id (stored without dedup, never a dedup target) and the
+        totals are counted. Returns whether anything changed.
+        """
+        if self.format_version() != 1:
+            return False
+
+        def upgrade(txn: "DirectTxn") -> None:
+            totals = dict.fromkeys(STAT_COUNTERS, 0)
+            for k, raw in list(txn.items("chunks", u64(0), u64((1 << 64) - 1))):
+                kind, refcount, length = _CHUNK_HEAD.unpack_from(raw)
+                rest = raw[_CHUNK_HEAD.size:]
+                if kind == CHUNK_LOG:
+                    chunk = Chunk(read_u64(k), kind, refcount, length,
+                                  log_off=_LOGLOC.unpack_from(rest)[0],
+                                  crcs=bytes(rest[_LOGLOC.size:]))
+                    txn.put("chunks", k, chunk.encode())
+                    totals[b"stored_log_bytes"] += length
+                else:
+                    totals[b"stored_source_bytes"] += length
+                totals[b"chunks"] += 1
+            for name, value in totals.items():
+                txn.put("meta", name, _LOGLOC.pack(value))
+            txn.put("meta", b"format", struct.pack("<I", FORMAT_VERSION))
+
+        self.write_direct(upgrade)
+        log.info("upgraded index %s from format 1 to %d", self.path, FORMAT_VERSION)
+        return True
+
     def _load_counters(self) -> None:
-        for name in (b"next_ino", b"next_chunk", b"next_cookie"):
+        for name in ID_COUNTERS + STAT_COUNTERS:
             self.counters[name] = read_counter(self, name)
 
     def allocate_id(self, name: bytes) -> int:
@@ -262,6 +317,11 @@ class Index:
         # Written with the next batch, not now: an id is only durable where a
         # durable record names it, and a counter alone must not cost a commit.
         return value
+
+    def adjust_counter(self, name: bytes, delta: int) -> None:
+        """Add delta to a chunk-table total; it commits with the open batch."""
+        self.counters[name] += delta
+        self._note_change()
 
     def set_clean(self, clean: bool) -> None:
         self.put("meta", b"clean", b"1" if clean else b"0")
@@ -490,6 +550,9 @@ class DirectTxn:
     def items(self, db: str, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
         yield from _cursor_range(self.txn.cursor(self.dbs[db]), lo, hi)
 
+    def adjust_counter(self, name: bytes, delta: int) -> None:
+        self.put("meta", name, _LOGLOC.pack(read_counter(self, name) + delta))
+
 
 def _cursor_range(cur: lmdb.Cursor, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
     """Items with lo <= key < hi, ascending."""
@@ -602,16 +665,40 @@ def get_chunk(kv, chunk_no: int) -> Optional[Chunk]:
     return None if raw is None else Chunk.decode(chunk_no, raw)
 
 
-def put_chunk(kv, chunk: Chunk) -> None:
+def find_chunk(kv, chunk_id: bytes) -> Optional[Chunk]:
+    """The stored chunk whose bytes have this BLAKE3 id, if any."""
+    raw = kv.get("chunkids", chunk_id)
+    return None if raw is None else get_chunk(kv, read_u64(raw))
+
+
+def add_chunk(kv, chunk: Chunk) -> None:
+    """Store a new chunk: its record, where it lives, its id, the totals."""
     kv.put("chunks", u64(chunk.chunk_no), chunk.encode())
     if chunk.kind == CHUNK_LOG:
         kv.put("logmap", u64(chunk.log_off), u64(chunk.chunk_no))
+        kv.adjust_counter(b"stored_log_bytes", chunk.length)
+    else:
+        kv.adjust_counter(b"stored_source_bytes", chunk.length)
+    if chunk.chunk_id:
+        kv.put("chunkids", chunk.chunk_id, u64(chunk.chunk_no))
+    kv.adjust_counter(b"chunks", 1)
+
+
+def put_chunk(kv, chunk: Chunk) -> None:
+    """Update a chunk that is already stored (refcount, original names)."""
+    kv.put("chunks", u64(chunk.chunk_no), chunk.encode())
 
 
 def delete_chunk(kv, chunk: Chunk) -> None:
     kv.delete("chunks", u64(chunk.chunk_no))
     if chunk.kind == CHUNK_LOG:
         kv.delete("logmap", u64(chunk.log_off))
+        kv.adjust_counter(b"stored_log_bytes", -chunk.length)
+    else:
+        kv.adjust_counter(b"stored_source_bytes", -chunk.length)
+    if chunk.chunk_id:
+        kv.delete("chunkids", chunk.chunk_id)
+    kv.adjust_counter(b"chunks", -1)
 
 
 def iter_extents(kv: "Index", ino: int, start: int = 0, end: int = 1 << 63) -> Iterator[Extent]:

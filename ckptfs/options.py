@@ -30,6 +30,8 @@ OPTIONS: dict[str, tuple[bool, str]] = {
                    "lazy: close returns at once, the commit is durable within lazy_delay"),
     "lazy_delay": (True, "sync=lazy: seconds a commit may wait to be durable before closes "
                          "wait for it (default 1)"),
+    "dedup": (True, "on (default): store bytes already stored (by any file, any version) "
+                    "only once; off: store every write as written"),
     "allow_other": (False, "let other users access the mount (needs user_allow_other for "
                            "non-root)"),
     "ro": (False, "mount read-only"),
@@ -62,6 +64,7 @@ class MountOptions:
     pmem_size: Optional[int] = None
     sync: str = "close"
     lazy_delay_s: float = 1.0
+    dedup: bool = True
     allow_other: bool = False
     read_only: bool = False
     debug: bool = False
@@ -96,6 +99,7 @@ class MountOptions:
             parts.append(f"pmem_size={self.pmem_size}")
         parts.append(f"sync={self.sync}")
         parts.append(f"lazy_delay={self.lazy_delay_s}")
+        parts.append(f"dedup={'on' if self.dedup else 'off'}")
         for flag, on in (("allow_other", self.allow_other), ("ro", self.read_only),
                          ("debug", self.debug)):
             if on:
@@ -150,6 +154,10 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
             raise UsageError(f"lazy_delay must be a number of seconds, not {value!r}") from None
         if not 0 < opts.lazy_delay_s <= 3600:
             raise UsageError("lazy_delay must be between 0 and 3600 seconds")
+    elif name == "dedup":
+        if value not in ("on", "off"):
+            raise UsageError(f"dedup must be 'on' or 'off', not {value!r}")
+        opts.dedup = value == "on"
     elif name == "allow_other":
         opts.allow_other = True
     elif name == "ro":

@@ -1,11 +1,12 @@
 """The persistent-memory log: where file data lives while it is hot.
 
 A file (or DAX device) of `size_bytes`, memory-mapped. The first page is a
-superblock; the rest is handed out in page-aligned pieces, each holding one
-chunk record's bytes. The log keeps no headers of its own: the index names
-every record (offset, length, CRC-32C per 64 KiB block), so the free space
-is simply the complement of the index's `logmap` and mount-time recovery
-never scans the log.
+superblock; the rest is handed out byte-exact: a chunk's record is exactly
+its bytes, so a chunk cut out of the middle of a stream (and found to be a
+duplicate) gives back exactly its bytes. The log keeps no headers of its
+own: the index names every record (offset, length, CRC-32C per 64 KiB
+block), so the free space is simply the complement of the index's `logmap`
+and mount-time recovery never scans the log.
 
 Persistence: on a real DAX mapping (MAP_SYNC) stores are non-temporal copies
 and the persist barrier is a cache-line flush plus fence; on an ordinary
@@ -15,11 +16,12 @@ work with the GIL released.
 
 Which functions may block: `store`, `persist`, `read_into` and `open`/`close`
 do I/O and belong on a worker thread for anything large. The allocator
-(`allocate`, `release`) is pure bookkeeping for the trio thread.
+(`allocate`, `reserve`, `release`) is pure bookkeeping for the trio thread.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import stat
@@ -39,7 +41,6 @@ SUPERBLOCK_BYTES = PAGE_BYTES
 MAGIC = b"CKPTLOG1"
 _SUPER = struct.Struct("<8sIQ16s")    # magic, version, size, fs uuid; then crc32c
 LOG_VERSION = 1
-_ZEROS = bytes(PAGE_BYTES)
 
 
 def round_up(n: int, to: int = PAGE_BYTES) -> int:
@@ -47,7 +48,7 @@ def round_up(n: int, to: int = PAGE_BYTES) -> int:
 
 
 class PmemLog:
-    """A mapped log file with a page-granular free-space allocator."""
+    """A mapped log file with a byte-exact, next-fit free-space allocator."""
 
     def __init__(self, path: str, fd: int, size_bytes: int, dax: bool, mapping) -> None:
         self.path = path
@@ -151,7 +152,7 @@ class PmemLog:
                 raise FormatError(f"log record at {off}+{length} overlaps another or the end")
             if off > pos:
                 self._free[pos] = off - pos
-            pos = off + round_up(length)
+            pos = off + length
         if pos < self.size_bytes:
             self._free[pos] = self.size_bytes - pos
         self.free_bytes = sum(self._free.values())
@@ -161,35 +162,68 @@ class PmemLog:
         return self.size_bytes - SUPERBLOCK_BYTES
 
     def allocate(self, nbytes: int) -> list[tuple[int, int]]:
-        """Reserve room for nbytes: a list of (offset, usable length) pieces.
+        """Reserve room for nbytes: a list of (offset, length) pieces.
 
         Next-fit from a cursor so that a stream lands contiguously; when no
         single hole is big enough the bytes are spread over several. Raises
         NoSpace (nothing reserved) when the log cannot hold them at all.
         """
-        need = round_up(nbytes)
-        if need > self.free_bytes:
+        if nbytes > self.free_bytes:
             raise NoSpace(f"log full: {nbytes} bytes wanted, {self.free_bytes} free")
         pieces: list[tuple[int, int]] = []
-        remaining = need
+        remaining = nbytes
         while remaining:
             off, length = self._hole_at_or_after(self._cursor)
             take = min(length, remaining)
-            del self._free[off]
-            if length > take:
-                self._free[off + take] = length - take
-            self.free_bytes -= take
+            self._take(off, length, off, take)
             pieces.append((off, take))
             remaining -= take
-            self._cursor = off + take
-        # The last piece's usable length is what is left of nbytes.
-        used = 0
-        result = []
-        for off, take in pieces:
-            usable = min(take, nbytes - used)
-            result.append((off, usable))
-            used += usable
-        return result
+        return pieces
+
+    def reserve(self, nbytes: int, at: Optional[int] = None) -> Optional[int]:
+        """Reserve nbytes in one piece; return its offset, or None if no hole fits.
+
+        With `at`, only exactly there (growing a reservation in place).
+        """
+        if nbytes <= 0 or nbytes > self.free_bytes:
+            return None
+        if at is not None:
+            i = self._free.bisect_right(at) - 1
+            if i < 0:
+                return None
+            off = self._free.keys()[i]
+            length = self._free[off]
+            if at + nbytes > off + length:
+                return None
+            self._take(off, length, at, nbytes)
+            return at
+        # Next-fit: the first hole from the cursor on (wrapping) that is big enough.
+        keys = self._free.keys()
+        start = max(self._free.bisect_right(self._cursor) - 1, 0)
+        for i in itertools.chain(range(start, len(keys)), range(0, start)):
+            off = keys[i]
+            length = self._free[off]
+            end = off + length
+            if off < self._cursor < end and end - self._cursor >= nbytes:
+                pos = self._cursor
+            elif length >= nbytes:
+                pos = off
+            else:
+                continue
+            self._take(off, length, pos, nbytes)
+            return pos
+        return None
+
+    def _take(self, hole: int, hole_len: int, off: int, nbytes: int) -> None:
+        """Cut [off, off+nbytes) out of the hole starting at `hole`."""
+        del self._free[hole]
+        if off > hole:
+            self._free[hole] = off - hole
+        end = off + nbytes
+        if end < hole + hole_len:
+            self._free[end] = hole + hole_len - end
+        self.free_bytes -= nbytes
+        self._cursor = end
 
     def _hole_at_or_after(self, pos: int) -> tuple[int, int]:
         i = self._free.bisect_right(pos) - 1
@@ -205,8 +239,10 @@ class PmemLog:
         return off, self._free[off]
 
     def release(self, off: int, length: int) -> None:
-        """Give a record's space back. Only for space no durable index names."""
-        size = round_up(length)
+        """Give bytes back. Only for space no durable index names."""
+        if length <= 0:
+            return
+        size = length
         i = self._free.bisect_left(off)
         if i > 0:
             prev = self._free.keys()[i - 1]
@@ -218,29 +254,32 @@ class PmemLog:
             if off + size == nxt:
                 size += self._free.pop(nxt)
         self._free[off] = size
-        self.free_bytes += round_up(length)
+        self.free_bytes += length
 
     # -------------------------------------------------------------- byte I/O
 
     def store(self, off: int, data: memoryview) -> bytes:
         """Write one record's bytes at off; return its per-block CRC-32Cs. May block."""
         crcs = native.crc32c_blocks(data, CRC_BLOCK_BYTES)
-        self._store(off, data)
+        self.write(off, data)
         return crcs
 
-    def _store(self, off: int, data: memoryview) -> None:
+    def write(self, off: int, data: memoryview) -> None:
+        """Write bytes at off, exactly (neighbours may be other records). May block."""
         if self.dax:
             native.copy_nt(self.mapping, off, data)
             return
-        pad = round_up(len(data)) - len(data)
-        bufs = [data, _ZEROS[:pad]] if pad else [data]
-        total = len(data) + pad
         done = 0
-        while done < total:
-            n = os.pwritev(self.fd, bufs, off + done)
-            done += n
-            if done < total:
-                bufs = _advance(bufs, n)
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], off + done)
+
+    def view(self, off: int, length: int) -> memoryview:
+        """The mapped bytes [off, off+length), no copy; release() it after use."""
+        return memoryview(self.mapping)[off:off + length]
+
+    @staticmethod
+    def crcs_of(data: memoryview) -> bytes:
+        return native.crc32c_blocks(data, CRC_BLOCK_BYTES)
 
     def persist(self, ranges: list[tuple[int, int]]) -> None:
         """Make the given log bytes durable. May block.
@@ -297,16 +336,9 @@ class PmemLog:
         """Unverified bytes (fsck and tests). May block."""
         return os.pread(self.fd, length, off)
 
-
-def _advance(bufs: list, n: int) -> list:
-    out = []
-    for b in bufs:
-        if n >= len(b):
-            n -= len(b)
-            continue
-        out.append(b[n:])
-        n = 0
-    return out
+    def read_unverified_into(self, out: memoryview, off: int) -> None:
+        """Bytes of data not yet cut into chunks (no CRCs yet). May block."""
+        self._read_exact(out, off)
 
 
 def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 from ckptfs.index import Index
-from ckptfs.pmemlog import PmemLog, round_up
+from ckptfs.pmemlog import PmemLog
 
 WORD = 8
 
@@ -37,7 +37,7 @@ class PowerCut(Exception):
 @dataclass
 class Store:
     off: int
-    old: bytes                      # what the store overwrote (data and page padding)
+    old: bytes                      # what the store overwrote, in whole words
     persisted: list[tuple[int, int]] = field(default_factory=list)  # absolute [a, b)
 
     @property
@@ -91,12 +91,20 @@ class FaultLog(PmemLog):
             self._cursor = 0
         return super().allocate(nbytes)
 
-    def _store(self, off: int, data: memoryview) -> None:
+    def reserve(self, nbytes: int, at: Optional[int] = None) -> Optional[int]:
+        if self.first_fit and at is None:
+            self._cursor = 0
+        return super().reserve(nbytes, at)
+
+    def write(self, off: int, data: memoryview) -> None:
         self.step()
-        old = os.pread(self.fd, round_up(len(data)), off)
+        # Whole words: stores are byte-exact, so a word may hold two records' bytes.
+        a = off // WORD * WORD
+        b = -(-(off + len(data)) // WORD) * WORD
+        old = os.pread(self.fd, b - a, a)
         with self._lock:
-            self.stores.append(Store(off, old))
-        super()._store(off, data)
+            self.stores.append(Store(a, old))
+        super().write(off, data)
 
     def persist(self, ranges: list[tuple[int, int]]) -> None:
         self.step()

@@ -68,7 +68,7 @@ def test_refcount_too_high_is_repaired(written):
 
 def test_leaked_chunk_is_repaired(written):
     def leak(txn):
-        ix.put_chunk(txn, ix.Chunk(999, ix.CHUNK_LOG, 1, 4096, log_off=60 << 20,
+        ix.add_chunk(txn, ix.Chunk(999, ix.CHUNK_LOG, 1, 4096, log_off=60 << 20,
                                    crcs=b"\0\0\0\0"))
         txn.put("meta", b"next_chunk", ix.u64_le(1000))
     plant(written, leak)

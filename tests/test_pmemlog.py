@@ -40,29 +40,58 @@ def test_new_log_is_preallocated_and_checked_on_reopen(tmp_path):
         PmemLog.open(path, None, UUID)
 
 
-def test_allocate_release_reuses_every_page(plog):
+def test_allocate_reserve_release_reuse_every_byte(plog):
+    """Byte-exact: pieces, reservations and releases of any length and place
+    (a dedup'd chunk gives back bytes in the middle of an arena) tile the log."""
     capacity = plog.capacity_bytes
     rng = random.Random(3)
     held: list[tuple[int, int]] = []
-    for _ in range(2000):
-        if held and (rng.random() < 0.45 or plog.free_bytes < 300_000):
+    for _ in range(3000):
+        r = rng.random()
+        if held and (r < 0.4 or plog.free_bytes < 300_000):
             off, length = held.pop(rng.randrange(len(held)))
-            plog.release(off, length)
-        else:
+            if length > 2 and rng.random() < 0.5:
+                # give back a middle part only, keep both ends
+                a = rng.randrange(1, length - 1)
+                b = rng.randrange(a, length)
+                plog.release(off + a, b - a)
+                held += [(off, a), (off + b, length - b)]
+            else:
+                plog.release(off, length)
+        elif r < 0.7:
             n = rng.randrange(1, 300_000)
             pieces = plog.allocate(n)
             assert sum(length for _, length in pieces) == n
             held.extend(pieces)
-        assert plog.free_bytes == capacity - sum(-(-ln // PAGE_BYTES) * PAGE_BYTES
-                                                 for _, ln in held)
-        spans = sorted((off, off + -(-ln // PAGE_BYTES) * PAGE_BYTES) for off, ln in held)
+        else:
+            n = rng.randrange(1, 300_000)
+            off = plog.reserve(n)
+            if off is not None:
+                held.append((off, n))
+                grow = rng.randrange(1, 50_000)
+                if plog.reserve(grow, at=off + n) is not None:
+                    held.append((off + n, grow))
+        held = [(o, n) for o, n in held if n > 0]
+        assert plog.free_bytes == capacity - sum(n for _, n in held)
+        spans = sorted((off, off + n) for off, n in held)
         for (_, end), (start, _) in zip(spans, spans[1:]):
             assert end <= start, "two allocations overlap"
-        assert all(off >= SUPERBLOCK_BYTES and off % PAGE_BYTES == 0 for off, _ in held)
+        assert all(off >= SUPERBLOCK_BYTES and off + n <= plog.size_bytes for off, n in held)
     for off, length in held:
         plog.release(off, length)
     assert plog.free_bytes == capacity
     assert plog.allocate(capacity) == [(SUPERBLOCK_BYTES, capacity)]
+
+
+def test_reserve_in_place_only_where_free(plog):
+    off = plog.reserve(10_000)
+    assert off is not None
+    other = plog.reserve(5_000)
+    assert other == off + 10_000                      # next fit: right behind
+    assert plog.reserve(1, at=off + 10_000) is None   # taken
+    plog.release(other, 5_000)
+    assert plog.reserve(5_000, at=off + 10_000) == off + 10_000
+    assert plog.reserve(plog.free_bytes + 1) is None
 
 
 def test_full_log_raises_nospace_and_reserves_nothing(plog):
@@ -75,7 +104,7 @@ def test_full_log_raises_nospace_and_reserves_nothing(plog):
 
 def test_free_space_is_the_complement_of_used_records(plog):
     plog.init_free_space([(SUPERBLOCK_BYTES, 10), (3 * PAGE_BYTES, PAGE_BYTES + 1)])
-    assert plog.free_bytes == plog.capacity_bytes - 3 * PAGE_BYTES
+    assert plog.free_bytes == plog.capacity_bytes - 10 - (PAGE_BYTES + 1)
     with pytest.raises(FormatError):
         plog.init_free_space([(3 * PAGE_BYTES, 10), (2 * PAGE_BYTES, 10)])
 

@@ -672,12 +672,11 @@ def test_full_log_enospc(make_mount, fsck_clean):
     m = make_mount(options=["pmem_size=64M"])
     keep = pattern(8 * MiB, 30)
     write_file(m.path / "committed", keep)
-    chunk = pattern(MiB, 31)
     err = None
     fd = os.open(m.path / "huge", os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        for _ in range(100):
-            os.write(fd, chunk)
+        for i in range(100):
+            os.write(fd, pattern(MiB, 1000 + i))     # all different: dedup cannot help
     except OSError as e:
         err = e
     finally:

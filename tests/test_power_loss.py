@@ -62,6 +62,9 @@ SOAK_SEEDS = range(1000, 1050)
 SOAK_ROUNDS = 12
 
 
+SHARED = random.Random(4242).randbytes(3 * MiB)
+
+
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -178,7 +181,12 @@ class Task:
         hi = 16 * KiB if r < 0.3 else 256 * KiB if r < 0.8 else 2 * MiB
         n = self.rng.randint(1, hi) if self.rng.random() < 0.5 else \
             self.rng.randint(1, hi // 4096) * 4096
-        return self.rng.randbytes(n)
+        if self.rng.random() < 0.5:
+            return self.rng.randbytes(n)
+        # Bytes other files and writers have too (frozen weights): shared chunks.
+        start = 0 if self.rng.random() < 0.5 else self.rng.randrange(len(SHARED))
+        take = min(n, len(SHARED) - start, self.rng.randint(n // 4, n))
+        return SHARED[start:start + take] + self.rng.randbytes(n - take)
 
     def pieces(self, start: int, end: int) -> list[tuple[int, int]]:
         out = []

@@ -45,6 +45,18 @@ class Journal:
         os.write(self.fd, (" ".join(fields) + "\n").encode())
 
 
+# The same in every writer: bytes that recur across files and writers, like
+# frozen weights across checkpoint versions, so crashes hit shared chunks.
+SHARED = random.Random(4242).randbytes(6 * MiB)
+
+
+def dedupable(rng: random.Random, n: int) -> bytes:
+    """n bytes of which about half are SHARED bytes (sometimes shifted), half new."""
+    start = 0 if rng.random() < 0.5 else rng.randrange(len(SHARED))
+    take = min(n, len(SHARED) - start, rng.randint(n // 4, n))
+    return SHARED[start:start + take] + rng.randbytes(n - take)
+
+
 def pick_size(rng: random.Random, max_bytes: int) -> int:
     r = rng.random()
     if r < 0.65:
@@ -87,7 +99,8 @@ class Writer:
         return os.path.join(self.top, rel)
 
     def content(self) -> tuple[bytes, str]:
-        data = self.rng.randbytes(pick_size(self.rng, self.max_bytes))
+        n = pick_size(self.rng, self.max_bytes)
+        data = dedupable(self.rng, n) if self.rng.random() < 0.5 else self.rng.randbytes(n)
         return data, hashlib.sha256(data).hexdigest()
 
     def write_file(self, rel: str, data: bytes, sha: str, mid_commit: bool = False) -> None:
