@@ -712,6 +712,15 @@ class FileData:
                 self.dedup_hits += 1
                 self.dedup_bytes += chunk.length
                 self._release(df, chunk.log_off, chunk.length, stored=True)
+        # A zombie we point at lost its id entry when it was deleted; if the
+        # same bytes were stored again since, use that chunk: storing the
+        # zombie again would leave two chunks with one id.
+        for chunk_no in list(df.new_chunk_refs):
+            zombie = self.zombies.get(chunk_no)
+            if zombie is not None and zombie.chunk_id:
+                stored = ix.find_chunk(self.index, zombie.chunk_id)
+                if stored is not None:
+                    twins[chunk_no] = stored.chunk_no
         return twins
 
     def truncate_committed(self, inode: ix.Inode, size: int) -> None:

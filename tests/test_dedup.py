@@ -224,6 +224,23 @@ def test_chunk_whose_last_owner_goes_while_another_file_uses_it(mounted, fsck_cl
     check_clean(fsck_clean, mounted)
 
 
+def test_zombie_whose_bytes_were_stored_again_is_not_stored_twice(mounted, fsck_clean):
+    """Pinned chunks lose their last owner, then the same bytes are written
+    again by a third file before the pinning file commits: one copy, one id."""
+    p = mounted.path
+    data = pattern(8 * MiB, 12)
+    write_file(p / "old", data)
+    with open(p / "new", "wb", buffering=0) as f:
+        f.write(data)
+        _push_out_of_page_cache(f.fileno())
+        os.unlink(p / "old")
+        write_file(p / "again", data)
+    assert stored(mounted) <= len(data) + 256 * KiB
+    mounted.remount()
+    assert read_file(p / "new") == data and read_file(p / "again") == data
+    check_clean(fsck_clean, mounted)            # fsck: no two chunks with one id
+
+
 def test_concurrent_writers_of_the_same_shard_store_it_once(mounted, fsck_clean):
     """Replicated shards written by several ranks at once."""
     data = pattern(16 * MiB, 10)
