@@ -45,7 +45,7 @@ from typing import Optional, Union
 import trio
 
 from . import index as ix
-from .chunker import Chunker, chunk_buffer, chunk_id
+from .chunker import Chunker, chunk_id
 from .errors import CkptfsError, DamagedData, FileTooLarge
 from .index import CHUNK_LOG, CHUNK_SOURCE, Chunk, Extent, Index
 from .pmemlog import PmemLog
@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 MAX_FILE_BYTES = 1 << 62
 CHUNK_STAGED = 0                 # in memory only: never in the index
 ARENA_BYTES = 64 << 20           # log space a write stream reserves at a time
+CUT_READ_BYTES = 4 << 20         # commit-time cutting reads staged bytes this much at a time
 
 
 @dataclass(eq=False)
@@ -140,6 +141,7 @@ class ChunkStream:
 class WritePlan:
     """Where a write's bytes go: (log offset, offset in data, length) pieces."""
 
+    file_off: int
     pieces: list[tuple[int, int, int]]
     chunks: list[Optional[Chunk]]        # dedup off: the chunk each piece is, for its CRCs
     stream: Optional[ChunkStream] = None
@@ -285,7 +287,7 @@ class FileData:
                 if plan is None:       # no contiguous room left: stop cutting as it streams
                     self.end_stream(df)
         if plan is None:
-            plan = WritePlan([], [])
+            plan = WritePlan(off, [], [])
             pos = 0
             for log_off, length in self.log.allocate(nbytes):
                 if self.dedup:
@@ -345,7 +347,7 @@ class FileData:
         stream.cursor += nbytes
         stream.next_off += nbytes
         self._put_dirty(df, Extent(off, nbytes, arena.chunk_no, log_off - arena.log_off))
-        return WritePlan([(log_off, 0, nbytes)], [None], stream, cut_at)
+        return WritePlan(off, [(log_off, 0, nbytes)], [None], stream, cut_at)
 
     def end_stream(self, df: DirtyFile) -> None:
         """Stop cutting df's writes as they arrive; what is left is cut at commit."""
@@ -389,8 +391,15 @@ class FileData:
             return []
         if plan.cut_at is not None:
             stream.chunker.add_boundaries([plan.cut_at - stream.base])
-        return [self._name_streamed(stream, stream.base + at, length)
-                for at, length in stream.chunker.feed(data)]
+        view = memoryview(data)
+        infos = []
+        for at, length in stream.chunker.feed(view):
+            file_off = stream.base + at
+            rel = file_off - plan.file_off
+            # Name it from the write's own bytes when they hold the whole chunk.
+            inside = view[rel:rel + length] if rel >= 0 and rel + length <= len(view) else None
+            infos.append(self._name_streamed(stream, file_off, length, inside))
+        return infos
 
     def finish_stream_blocking(self, stream: ChunkStream) -> list[ChunkInfo]:
         """Cut the stream's unfinished tail; later writes start a fresh chunker. May block."""
@@ -400,30 +409,44 @@ class FileData:
         stream.chunker = Chunker(detect_format=False)
         return infos
 
-    def _name_streamed(self, stream: ChunkStream, file_off: int, length: int) -> ChunkInfo:
+    def _name_streamed(self, stream: ChunkStream, file_off: int, length: int,
+                       data: Optional[memoryview] = None) -> ChunkInfo:
         log_off, staged_no = stream.locate(file_off)
-        return self._name(staged_no, file_off, length, log_off)
+        return self._name(staged_no, file_off, length, log_off, data)
 
-    def _name(self, staged_no: int, file_off: int, length: int, log_off: int) -> ChunkInfo:
-        """BLAKE3 id and CRCs of chunk bytes already in the log. May block."""
-        view = self.log.view(log_off, length)
-        try:
-            return ChunkInfo(staged_no, file_off, length, log_off, chunk_id(view),
-                             self.log.crcs_of(view))
-        finally:
-            view.release()
+    def _name(self, staged_no: int, file_off: int, length: int, log_off: int,
+              data: Optional[memoryview] = None) -> ChunkInfo:
+        """BLAKE3 id and CRCs of chunk bytes (read back from the log if not given). May block.
+
+        Read with pread, not through the mapping: touching mapped pages would
+        count the whole log as the daemon's resident memory.
+        """
+        if data is None:
+            data = memoryview(bytearray(length))
+            self.log.read_unverified_into(data, log_off)
+        return ChunkInfo(staged_no, file_off, length, log_off, chunk_id(data),
+                         self.log.crcs_of(data))
 
     def cut_blocking(self, ranges: list[tuple[int, int, int, int]]) -> list[ChunkInfo]:
         """Cut staged ranges (staged no, file offset, length, log offset) into named
         chunks: the commit-time path for bytes not cut as they streamed in. May block."""
         infos = []
+        buf = memoryview(bytearray(min(CUT_READ_BYTES, max(r[2] for r in ranges))))
         for staged_no, file_off, length, log_off in ranges:
-            view = self.log.view(log_off, length)
-            try:
-                cuts = chunk_buffer(view, detect_format=file_off == 0)
-            finally:
-                view.release()
-            infos.extend(self._name(staged_no, file_off + at, n, log_off + at) for at, n in cuts)
+            chunker = Chunker(detect_format=file_off == 0)
+            pos = 0
+            while pos < length:
+                n = min(len(buf), length - pos)
+                block = buf[:n]
+                self.log.read_unverified_into(block, log_off + pos)
+                cuts = chunker.feed(block)
+                if pos + n == length:
+                    cuts += chunker.finish()
+                for at, m in cuts:
+                    rel = at - pos
+                    inside = block[rel:rel + m] if rel >= 0 and rel + m <= n else None
+                    infos.append(self._name(staged_no, file_off + at, m, log_off + at, inside))
+                pos += n
         return infos
 
     def settle(self, df: DirtyFile, infos: list[ChunkInfo]) -> None:

@@ -273,10 +273,6 @@ class PmemLog:
         while done < len(data):
             done += os.pwrite(self.fd, data[done:], off + done)
 
-    def view(self, off: int, length: int) -> memoryview:
-        """The mapped bytes [off, off+length), no copy; release() it after use."""
-        return memoryview(self.mapping)[off:off + length]
-
     @staticmethod
     def crcs_of(data: memoryview) -> bytes:
         return native.crc32c_blocks(data, CRC_BLOCK_BYTES)

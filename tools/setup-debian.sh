@@ -4,18 +4,20 @@
 #   tools/setup-debian.sh                  install
 #   tools/setup-debian.sh --mount DIR      install, then mount ckptfs over DIR
 #   tools/setup-debian.sh --with-tests     install with the test extras (torch, numpy, ...)
-#   tools/setup-debian.sh --with-bench     also the benchmark baselines (bindfs)
+#   tools/setup-debian.sh --with-bench     also the benchmark baselines (bindfs; borg,
+#                                          restic and casync for tools/bench_dedup.py)
 set -eu
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 mount_dir=""
 extras=""
 apt_extra=""
+apt_norec=""    # without Recommends: borgbackup's would add Debian's python3-pyfuse3 3.2
 while [ $# -gt 0 ]; do
     case "$1" in
         --mount) mount_dir="$2"; shift 2 ;;
         --with-tests) extras="[test]"; apt_extra="$apt_extra attr rsync"; shift ;;
-        --with-bench) apt_extra="$apt_extra bindfs"; shift ;;
+        --with-bench) apt_extra="$apt_extra bindfs"; apt_norec="borgbackup restic casync"; shift ;;
         *) echo "setup-debian.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -30,10 +32,20 @@ missing=""
 for pkg in fuse3 libfuse3-dev pkg-config gcc $apt_extra; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing="$missing $pkg"
 done
-if [ -n "$missing" ]; then
+missing_norec=""
+for pkg in $apt_norec; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing_norec="$missing_norec $pkg"
+done
+if [ -n "$missing$missing_norec" ]; then
     apt-get update -qq
+fi
+if [ -n "$missing" ]; then
     # shellcheck disable=SC2086
     apt-get install -y -qq $missing >/dev/null
+fi
+if [ -n "$missing_norec" ]; then
+    # shellcheck disable=SC2086
+    apt-get install -y -qq --no-install-recommends $missing_norec >/dev/null
 fi
 
 python3 -m pip install -q --upgrade pip setuptools wheel cffi
