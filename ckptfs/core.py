@@ -329,14 +329,13 @@ class Filesystem:
         return len(data)
 
     async def _store_streamed(self, df: DirtyFile, plan: WritePlan, data: bytes) -> None:
-        """Store a stream write and settle the chunks it completes, in stream order."""
+        """Store a stream write and settle the chunks it completes (fed in arrival order)."""
         stream = plan.stream
-        if len(data) <= SMALL_IO_BYTES and not stream.lock.locked():
+        if len(data) <= SMALL_IO_BYTES and stream.next_ticket == plan.ticket:
             infos = self.files.store_stream_blocking(plan, data)   # nobody ahead of us
         else:
-            async with stream.lock:
-                infos = await trio.to_thread.run_sync(self.files.store_stream_blocking, plan,
-                                                      data, limiter=self.io_limiter)
+            infos = await trio.to_thread.run_sync(self.files.store_stream_blocking, plan, data,
+                                                  limiter=self.io_limiter)
         self.files.settle(df, infos)
 
     async def _settled(self, ino: int) -> Optional[DirtyFile]:

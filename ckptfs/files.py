@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -116,8 +117,9 @@ class ChunkInfo:
 class ChunkStream:
     """A file being written front to back, cut into chunks as it arrives.
 
-    Writes are fed to the chunker in file order, one at a time (`lock`, which
-    trio hands over first come, first served: the order writes arrived in).
+    Writes store their bytes in parallel, then take turns feeding the
+    chunker in the order they arrived (`tickets`, handed out on the trio
+    thread as writes arrive; `turn` wakes the worker thread whose turn it is).
     """
 
     base: int                        # file offset of the chunker's position 0
@@ -128,7 +130,15 @@ class ChunkStream:
     # (file offset, log offset, staged no) where each arena begins, for cuts.
     segments: list[tuple[int, int, int]] = field(default_factory=list)
     alive: bool = True
-    lock: trio.Lock = field(default_factory=trio.Lock)
+    tickets: int = 0                 # handed out so far
+    next_ticket: int = 0             # whose turn it is to feed the chunker
+    turn: threading.Condition = field(default_factory=threading.Condition)
+
+    def stop(self) -> None:
+        """No more feeding: release every worker waiting for its turn."""
+        with self.turn:
+            self.alive = False
+            self.turn.notify_all()
 
     def locate(self, file_off: int) -> tuple[int, int]:
         """(log offset, staged no) of a streamed byte."""
@@ -145,6 +155,7 @@ class WritePlan:
     pieces: list[tuple[int, int, int]]
     chunks: list[Optional[Chunk]]        # dedup off: the chunk each piece is, for its CRCs
     stream: Optional[ChunkStream] = None
+    ticket: int = 0                      # stream writes: its place in the feeding order
     cut_at: Optional[int] = None         # a new arena: force a chunk cut at this file offset
 
 
@@ -347,14 +358,15 @@ class FileData:
         stream.cursor += nbytes
         stream.next_off += nbytes
         self._put_dirty(df, Extent(off, nbytes, arena.chunk_no, log_off - arena.log_off))
-        return WritePlan(off, [(log_off, 0, nbytes)], [None], stream, cut_at)
+        stream.tickets += 1
+        return WritePlan(off, [(log_off, 0, nbytes)], [None], stream, stream.tickets - 1, cut_at)
 
     def end_stream(self, df: DirtyFile) -> None:
         """Stop cutting df's writes as they arrive; what is left is cut at commit."""
         stream = df.stream
         if stream is None:
             return
-        stream.alive = False
+        stream.stop()
         df.stream = None
         if stream.arena is not None:
             self._unhold(df, stream.arena)
@@ -381,14 +393,20 @@ class FileData:
                 chunk.crcs = self.log.store(log_off, view[pos:pos + length])
 
     def store_stream_blocking(self, plan: WritePlan, data: bytes) -> list[ChunkInfo]:
-        """Copy a stream write into its arena and cut the chunks it completes. May block.
-
-        Callers hold the stream's lock: the chunker sees the writes in file order.
-        """
+        """Copy a stream write into its arena, then, in its turn, cut the chunks
+        it completes. May block (also waiting for earlier writes' turns)."""
         self.store_blocking(plan, data)
         stream = plan.stream
-        if not stream.alive:
-            return []
+        with stream.turn:
+            while stream.alive and stream.next_ticket != plan.ticket:
+                stream.turn.wait()
+            try:
+                return self._feed(stream, plan, data) if stream.alive else []
+            finally:
+                stream.next_ticket = plan.ticket + 1
+                stream.turn.notify_all()
+
+    def _feed(self, stream: ChunkStream, plan: WritePlan, data: bytes) -> list[ChunkInfo]:
         if plan.cut_at is not None:
             stream.chunker.add_boundaries([plan.cut_at - stream.base])
         view = memoryview(data)
