@@ -125,6 +125,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = sub.add_parser("sync", help="make everything written so far durable")
     p.add_argument("mountpoint")
 
+    p = sub.add_parser("recover", help="rebuild a lost index from the backing store alone",
+                       description="Rebuild SOURCE/.ckptfs/index from the backing store's "
+                                   "packs and file manifests (every file that was tiered). "
+                                   "SOURCE must be unmounted and hold no index.")
+    p.add_argument("source")
+    p.add_argument("-o", dest="options", action="append", default=[],
+                   help="mount options (backing= if the store is not the default)")
+
+    p = sub.add_parser("tier", help="move cold versions to the backing store now",
+                       description="Move every chunk the tiering policy calls cold (all "
+                                   "but the hot_versions newest versions) to the backing "
+                                   "store now, and wait until it is durable.")
+    p.add_argument("mountpoint")
+    p.add_argument("--now", action="store_true", required=True,
+                   help="run a tiering pass now (the background mover otherwise decides)")
+    p.add_argument("--all", action="store_true",
+                   help="move every committed file, the newest versions too")
+
     args = parser.parse_args(argv)
     try:
         if args.cmd == "mount":
@@ -140,6 +158,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.cmd == "sync":
             control.request(args.mountpoint, "sync")
             return ExitCode.OK
+        if args.cmd == "recover":
+            from .recover import run_recover
+            return run_recover(args.source, args.options)
+        if args.cmd == "tier":
+            return tier_now(args.mountpoint, everything=args.all)
     except (CkptfsError, OSError) as e:
         return _fail(e)
     return ExitCode.USAGE
@@ -166,6 +189,32 @@ def umount(mountpoint: str, timeout_s: float, lazy: bool) -> int:
     return ExitCode.OK
 
 
+def tier_now(mountpoint: str, everything: bool) -> int:
+    """Start a tiering pass in the daemon and follow it with a progress bar."""
+    import time
+
+    from tqdm import tqdm
+    control.request(mountpoint, "tier", all=everything)
+    bar = tqdm(unit="B", unit_scale=True, desc="tiering", disable=not sys.stderr.isatty(),
+               file=sys.stderr)
+    with bar:
+        while True:
+            status = control.request(mountpoint, "tier_status")
+            bar.total = status["total_bytes"] or None
+            bar.n = status["done_bytes"]
+            bar.refresh()
+            if status["finished"]:
+                break
+            time.sleep(0.2)
+    if status["error"]:
+        raise CkptfsError(f"tiering failed: {status['error']}")
+    stats = control.request(mountpoint, "stat")
+    print(f"moved {_human(status['done_bytes'])}; cold now {_human(stats['cold_bytes'])} "
+          f"stored for {_human(stats['cold_logical_bytes'])}, log in use "
+          f"{_human(stats['hot_bytes'])}")
+    return ExitCode.OK
+
+
 def show_stat(mountpoint: str, as_json: bool) -> int:
     stats = control.request(mountpoint, "stat")
     if as_json:
@@ -182,7 +231,13 @@ def show_stat(mountpoint: str, as_json: bool) -> int:
         ("log in use", f"{_human(stats['hot_bytes'])} of {_human(stats['pmem_size'])}"
                        f" ({100 * stats['hot_bytes'] / max(stats['pmem_size'], 1):.1f}%)"),
         ("pre-existing bytes", _human(stats["source_bytes"])),
-        ("cold bytes", _human(stats["cold_bytes"])),
+        ("cold bytes", f"{_human(stats['cold_bytes'])} stored for "
+                       f"{_human(stats['cold_logical_bytes'])} "
+                       f"(compression {stats['compression_ratio']:.2f})"),
+        ("tiering", f"{stats.get('tier_state', 'off')}, backlog "
+                    f"{_human(stats.get('tier_backlog_bytes', 0))}"
+                    + (f", error: {stats['tier_last_error']}" if stats.get("tier_last_error")
+                       else "")),
         ("chunks", stats["chunks"]),
         ("open / dirty files", f"{stats['open_files']} / {stats['dirty_files']}"),
         ("commits", f"{stats['commits']} (avg {stats['commit_seconds_avg'] * 1000:.2f} ms)"),

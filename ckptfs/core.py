@@ -86,6 +86,7 @@ class Filesystem:
         self.commit_limiter = trio.CapacityLimiter(1)
         self.started_at = time.time()
         self.errors_by_kind: dict[str, int] = {}
+        self.tierer = None          # tier.Tierer when a backing store is attached
         self._log_full_warned_at = -1e9
 
     # ------------------------------------------------------------- lifecycle
@@ -290,7 +291,16 @@ class Filesystem:
                 break
             await df.committing.wait()      # a commit is cutting this file's chunks
         try:
-            plan = self.files.prepare_write(df, off, len(data))
+            try:
+                plan = self.files.prepare_write(df, off, len(data))
+            except NoSpace:
+                if self.tierer is None:
+                    raise
+                # Backpressure: wait while tiering moves cold data out.
+                await self.tierer.make_room(len(data))
+                if self.files.dirty.get(h.ino) is not df:
+                    raise NoSpace("the file changed while waiting for log space") from None
+                plan = self.files.prepare_write(df, off, len(data))
         except CkptfsError as e:
             # A file that lost a write must not commit half of its new content.
             df.write_error = e
@@ -358,8 +368,11 @@ class Filesystem:
         length, pieces = self.files.read_plan(ino, off, size, attrs.size)
         if not pieces:
             return bytes(length)
+        if self.tierer is not None and any(p.chunk.kind == ix.CHUNK_PACK for p in pieces):
+            self.tierer.prefetch(self._cold_ahead(ino, off + size, attrs.size))
         if df is not None:
             df.readers += 1         # keeps uncommitted space it reads from being reused
+        epoch = self.files.begin_read()   # ... and committed space freed meanwhile
         try:
             if length > SMALL_IO_BYTES:
                 data = await trio.to_thread.run_sync(self.files.read_blocking, length, pieces,
@@ -367,11 +380,24 @@ class Filesystem:
             else:
                 data = self.files.read_blocking(length, pieces)
         finally:
+            self.files.end_read(epoch)
             if df is not None:
                 df.readers -= 1
                 self.files.io_settled(df)
         self.files.bytes_read += length
         return data
+
+    def _cold_ahead(self, ino: int, off: int, file_size: int) -> list[ix.Chunk]:
+        """Cold chunks a sequential reader of ino will want next."""
+        want = self.tierer.policy.prefetch_chunks
+        out = []
+        for e in ix.iter_extents(self.index, ino, off, file_size):
+            chunk = ix.get_chunk(self.index, e.chunk_no)
+            if chunk is not None and chunk.kind == ix.CHUNK_PACK:
+                out.append(chunk)
+                if len(out) >= want:
+                    break
+        return out
 
     async def _cut_for_commit(self, df: DirtyFile) -> None:
         """Cut every byte of df not yet cut into chunks: the stream's unfinished
@@ -493,7 +519,9 @@ class Filesystem:
                 logical += inode.size
         counters = self.index.counters
         source = counters[b"stored_source_bytes"]
-        stored = counters[b"stored_log_bytes"] + source
+        cold = counters[b"stored_pack_bytes"]
+        stored = counters[b"stored_log_bytes"] + source + cold
+        cold_logical = counters[b"pack_logical_bytes"]
         chunks = counters[b"chunks"]
         hot = self.log.capacity_bytes - self.log.free_bytes
         return {
@@ -509,7 +537,9 @@ class Filesystem:
             "pmem_free_bytes": self.log.free_bytes,
             "pmem_dax": self.log.dax,
             "source_bytes": source,
-            "cold_bytes": 0,
+            "cold_bytes": cold,
+            "cold_logical_bytes": cold_logical,
+            "compression_ratio": round(cold_logical / cold, 4) if cold else 1.0,
             "chunks": chunks,
             "dedup": self.files.dedup,
             "dedup_ratio": round(logical / stored, 4) if stored else 1.0,
@@ -526,4 +556,5 @@ class Filesystem:
             "read_only": self.index.failure is not None,
             "last_error": str(self.index.failure) if self.index.failure else None,
             **self.index.stats(),
+            **(self.tierer.stats() if self.tierer is not None else {"tiering": False}),
         }

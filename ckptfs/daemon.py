@@ -16,6 +16,7 @@ orphans purged, the index marked clean and synced, then unmount.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fcntl
 import logging
 import os
@@ -23,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid as uuidlib
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Optional
@@ -38,6 +40,7 @@ from .files import SourceFiles
 from .fuse_ops import CkptfsOperations
 from .index import Index
 from .options import MountOptions, parse_options
+from .backing.local import LocalBackend
 from .pmemlog import PmemLog
 
 log = logging.getLogger("ckptfs.daemon")
@@ -55,8 +58,12 @@ class State:
     index: Index
     log: PmemLog
     sources: SourceFiles
+    backend: Optional[LocalBackend]
+    fs_uuid: bytes
 
     def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
         self.sources.close()
         self.log.close()
         self.index.close()
@@ -93,8 +100,72 @@ def open_state(opts: MountOptions) -> State:
         plog = PmemLog.open(opts.pmem_path, size, fs_uuid)
         undo.callback(plog.close)
         sources = SourceFiles(source_fd)
+        backend = open_backing(opts, index, fs_uuid) if opts.tiering else None
+        if backend is not None:
+            undo.callback(backend.close)
         undo.pop_all()
-    return State(opts, lock_fd, source_fd, index, plog, sources)
+    return State(opts, lock_fd, source_fd, index, plog, sources, backend, fs_uuid)
+
+
+def open_backing(opts: MountOptions, index: Index, fs_uuid: bytes) -> Optional[LocalBackend]:
+    """The backing store: created on first use, after that only ever checked.
+
+    A store that was attached before and is missing now (an NFS mount gone)
+    is not recreated: the mount goes ahead, hot data works, tiering retries
+    and cold reads give EIO until it is back. May block.
+    """
+    root = backing_root(opts, index)
+    known = ix.get_store_uuid(index)
+    if known is None:
+        backend = LocalBackend.create(root, uuidlib.UUID(bytes=fs_uuid))
+        index.write_direct(lambda txn: ix.set_store(txn, backend.store_uuid.bytes,
+                                                    os.path.abspath(root).encode()))
+        log.info("backing store %s created", backend.url)
+        backend.close()
+        known = backend.store_uuid.bytes
+    mountpoint = os.path.realpath(opts.mountpoint)
+    if os.path.realpath(root).startswith(mountpoint + os.sep):
+        # Below the mount (the default, SOURCE/.ckptfs/store): once mounted, its
+        # path would lead through this very daemon. A directory fd opened now
+        # reaches the real directory: /proc/self/fd/N jumps straight to it.
+        try:
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            log.error("backing store %s is missing (%s): tiering is off and cold data "
+                      "reads give EIO until it is back and ckptfs is mounted again",
+                      root, e.strerror)
+            return None
+        backend = FdRootBackend(fd, root, uuidlib.UUID(bytes=known))
+    else:
+        backend = LocalBackend(root, uuidlib.UUID(bytes=known))
+    try:
+        backend.check()
+    except CkptfsError as e:
+        log.warning("%s; hot data works, cold reads give EIO until it is back", e)
+    return backend
+
+
+def backing_root(opts: MountOptions, index: Index) -> str:
+    """backing= if given, else where the store was created, else the default."""
+    if opts.backing:
+        return opts.backing
+    remembered = ix.get_store_path(index)
+    return remembered.decode() if remembered else opts.backing_dir
+
+
+class FdRootBackend(LocalBackend):
+    """A LocalBackend whose root is a directory fd opened before the mount."""
+
+    def __init__(self, fd: int, shown_as: str, store_uuid: uuidlib.UUID) -> None:
+        super().__init__(f"/proc/self/fd/{fd}", store_uuid)
+        self.url = "file://" + shown_as
+        self._root_fd = fd
+
+    def close(self) -> None:
+        super().close()
+        if self._root_fd >= 0:
+            os.close(self._root_fd)
+            self._root_fd = -1
 
 
 def lock_source(state_dir: str) -> int:
@@ -160,6 +231,11 @@ def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
     fs = Filesystem(state.index, state.log, state.sources,
                     CommitPolicy(sync=opts.sync, lazy_max_delay_s=opts.lazy_delay_s),
                     dedup=opts.dedup)
+    if state.backend is not None:
+        from .tier import Tierer, TierPolicy     # compression libraries only when tiering
+        fs.tierer = Tierer(fs, state.backend, TierPolicy(hot_versions=opts.hot_versions),
+                           state.fs_uuid)
+        fs.files.cold = fs.tierer.cold
     mounted = False
     try:
         # Resolve every path now: once mounted, a stat of the mountpoint from
@@ -194,11 +270,15 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
             await inner.start(control.serve, sock_path, _control_handlers(fs))
             inner.start_soon(_watch_signals)
             inner.start_soon(trio.to_thread.run_sync, _raise_read_ahead, opts.mountpoint)
+            if fs.tierer is not None:
+                await inner.start(fs.tierer.run)
             inner.start_soon(_report_ready, ready_fd, opts)
             try:
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
             finally:
                 with trio.CancelScope(shield=True):
+                    if fs.tierer is not None:
+                        await fs.tierer.stop()
                     await fs.shutdown()
                     fs.index.stop()
                 inner.cancel_scope.cancel()
@@ -222,7 +302,17 @@ def _control_handlers(fs: Filesystem) -> dict:
     async def ping(_: dict) -> dict:
         return {"pid": os.getpid()}
 
-    return {"stat": stat, "sync": sync, "ping": ping}
+    async def tier(args: dict) -> dict:
+        if fs.tierer is None:
+            raise UsageError("tiering is off on this mount (-o tiering=off)")
+        return fs.tierer.start_now(everything=bool(args.get("all")))
+
+    async def tier_status(_: dict) -> dict:
+        if fs.tierer is None or fs.tierer.progress is None:
+            raise UsageError("no tiering pass was started")
+        return dataclasses.asdict(fs.tierer.progress)
+
+    return {"stat": stat, "sync": sync, "ping": ping, "tier": tier, "tier_status": tier_status}
 
 
 async def _watch_signals() -> None:

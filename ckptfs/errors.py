@@ -115,3 +115,47 @@ class NotSupported(CkptfsError):
     """An operation ckptfs does not implement (extended POSIX ACLs)."""
 
     errno = errno.EOPNOTSUPP
+
+
+class BackingError(CkptfsError):
+    """The backing store (where cold chunks go) failed; the subclasses say how.
+
+    Messages name the store (its url) and the blob. Reads of data that the
+    index names answer EIO whichever subclass is raised (the caller maps).
+    """
+
+    errno = errno.EIO
+
+
+class BackingUnavailable(BackingError):
+    """The backing store cannot be reached: its directory is missing or
+    unmounted, its marker is gone or names another store, the server does not
+    answer. EIO rather than ENOTCONN: applications see a failed read, not a
+    dead mount."""
+
+    errno = errno.EIO
+
+
+class BackingFull(BackingError):
+    """The backing store has no room (ENOSPC, quota)."""
+
+    errno = errno.ENOSPC
+
+
+class BackingReadOnly(BackingError):
+    """The backing store refuses writes (read-only mount, no permission)."""
+
+    errno = errno.EROFS
+
+
+class BlobMissing(BackingError):
+    """A blob is not in the backing store (the store itself is there)."""
+
+    errno = errno.ENOENT
+
+
+class BlobDamaged(BackingError):
+    """A blob's bytes are not what they should be: a checksum or layout check
+    failed, or it is shorter than the range asked for."""
+
+    errno = errno.EIO

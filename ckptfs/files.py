@@ -48,7 +48,7 @@ import trio
 from . import index as ix
 from .chunker import Chunker, chunk_id
 from .errors import CkptfsError, DamagedData, FileTooLarge
-from .index import CHUNK_LOG, CHUNK_SOURCE, Chunk, Extent, Index
+from .index import CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, Chunk, Extent, Index
 from .pmemlog import PmemLog
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,7 @@ class WritePlan:
     pieces: list[tuple[int, int, int]]
     chunks: list[Optional[Chunk]]        # dedup off: the chunk each piece is, for its CRCs
     stream: Optional[ChunkStream] = None
+    stream_pos: int = 0                  # data[stream_pos:] continues the stream
     ticket: int = 0                      # stream writes: its place in the feeding order
     cut_at: Optional[int] = None         # a new arena: force a chunk cut at this file offset
 
@@ -268,6 +269,12 @@ class FileData:
         self.pinned: Counter = Counter()          # stored chunk no -> overlays naming it
         self.zombies: dict[int, Chunk] = {}       # pinned chunks deleted from the index
         self._next_staged = -1
+        # Reads in flight by the epoch they started in; space freed while they
+        # run waits for every read that started before it was freed.
+        self._epoch = 0
+        self._reads: Counter = Counter()
+        self._freed_during_reads: list[tuple[int, int, int]] = []
+        self.cold = None            # tier.ColdStore once a backing store is attached
         self.bytes_written = 0
         self.bytes_read = 0
         self.dedup_hits = 0                       # chunks found already stored
@@ -289,31 +296,52 @@ class FileData:
         """
         if off + nbytes > MAX_FILE_BYTES:
             raise FileTooLarge(f"write beyond {MAX_FILE_BYTES} bytes")
-        plan = None
-        if self.dedup:
-            if df.stream is None and off == df.size and nbytes:
-                df.stream = ChunkStream(off, off, Chunker(detect_format=off == 0))
-            if df.stream is not None and off == df.stream.next_off:
-                plan = self._stream_reserve(df, df.stream, off, nbytes)
-                if plan is None:       # no contiguous room left: stop cutting as it streams
+        plan = WritePlan(off, [], [])
+        streamed = False
+        if self.dedup and nbytes:
+            stream = df.stream
+            if stream is None and not (df.extents and df.extents[-1].end > off):
+                # Nothing written past here yet: a stream may start (also into a
+                # file first grown with ftruncate, as safetensors does).
+                stream = df.stream = ChunkStream(off, off, Chunker(detect_format=off == 0))
+            head = None
+            if stream is not None and off == stream.next_off:
+                head = 0
+            elif stream is not None and stream.base <= off < stream.next_off < off + nbytes:
+                # The kernel sends a page again that the stream has the start of
+                # (written back half full): that start is an overwrite, the rest
+                # goes on streaming.
+                head = stream.next_off - off
+            if head is not None:
+                if head:
+                    self._put_records(df, plan, off, head, 0)
+                streamed = self._stream_reserve(df, stream, plan, off + head, nbytes - head,
+                                                head)
+                if not streamed:       # no contiguous room left: stop cutting as it streams
                     self.end_stream(df)
-        if plan is None:
-            plan = WritePlan(off, [], [])
-            pos = 0
-            for log_off, length in self.log.allocate(nbytes):
-                if self.dedup:
-                    target: AnyChunk = self._new_staged(df, log_off, length, off + pos)
-                    plan.chunks.append(None)
-                else:
-                    target = Chunk(self.index.allocate_id(b"next_chunk"), CHUNK_LOG, 0, length,
-                                   log_off=log_off)
-                    df.new_chunks[target.chunk_no] = target
-                    plan.chunks.append(target)
-                self._put_dirty(df, Extent(off + pos, length, target.chunk_no, 0))
-                plan.pieces.append((log_off, pos, length))
-                pos += length
+                    self._put_records(df, plan, off + head, nbytes - head, head)
+                    streamed = True
+        if not streamed:
+            self._put_records(df, plan, off, nbytes, 0)
         df.size = max(df.size, off + nbytes)
         return plan
+
+    def _put_records(self, df: DirtyFile, plan: WritePlan, off: int, nbytes: int,
+                     pos: int) -> None:
+        """Log space for bytes written out of stream order (cut at commit)."""
+        for log_off, length in self.log.allocate(nbytes):
+            if self.dedup:
+                target: AnyChunk = self._new_staged(df, log_off, length, off)
+                plan.chunks.append(None)
+            else:
+                target = Chunk(self.index.allocate_id(b"next_chunk"), CHUNK_LOG, 0, length,
+                               log_off=log_off)
+                df.new_chunks[target.chunk_no] = target
+                plan.chunks.append(target)
+            self._put_dirty(df, Extent(off, length, target.chunk_no, 0))
+            plan.pieces.append((log_off, pos, length))
+            off += length
+            pos += length
 
     def _new_staged(self, df: DirtyFile, log_off: int, length: int, file_base: int
                     ) -> StagedRecord:
@@ -322,9 +350,12 @@ class FileData:
         df.staged[staged.chunk_no] = staged
         return staged
 
-    def _stream_reserve(self, df: DirtyFile, stream: ChunkStream, off: int, nbytes: int
-                        ) -> Optional[WritePlan]:
-        """Room for the stream's next write right after its previous one, or None."""
+    def _stream_reserve(self, df: DirtyFile, stream: ChunkStream, plan: WritePlan, off: int,
+                        nbytes: int, pos: int) -> bool:
+        """Room for the stream's next bytes right after its previous ones (False: none).
+
+        They are data[pos:] of the write that `plan` describes.
+        """
         arena = stream.arena
         cut_at = None
         if arena is None or stream.cursor + nbytes > arena.log_off + arena.length:
@@ -340,7 +371,7 @@ class FileData:
                     size = nbytes
                     log_off = self.log.reserve(size)
                     if log_off is None:
-                        return None
+                        return False
                 if arena is not None:
                     # The rest of the old arena is unused: give it back now.
                     unused = arena.log_off + arena.length - stream.cursor
@@ -358,8 +389,12 @@ class FileData:
         stream.cursor += nbytes
         stream.next_off += nbytes
         self._put_dirty(df, Extent(off, nbytes, arena.chunk_no, log_off - arena.log_off))
+        plan.pieces.append((log_off, pos, nbytes))
+        plan.chunks.append(None)
+        plan.stream, plan.stream_pos, plan.cut_at = stream, pos, cut_at
+        plan.ticket = stream.tickets
         stream.tickets += 1
-        return WritePlan(off, [(log_off, 0, nbytes)], [None], stream, stream.tickets - 1, cut_at)
+        return True
 
     def end_stream(self, df: DirtyFile) -> None:
         """Stop cutting df's writes as they arrive; what is left is cut at commit."""
@@ -409,11 +444,11 @@ class FileData:
     def _feed(self, stream: ChunkStream, plan: WritePlan, data: bytes) -> list[ChunkInfo]:
         if plan.cut_at is not None:
             stream.chunker.add_boundaries([plan.cut_at - stream.base])
-        view = memoryview(data)
+        view = memoryview(data)[plan.stream_pos:]
         infos = []
         for at, length in stream.chunker.feed(view):
             file_off = stream.base + at
-            rel = file_off - plan.file_off
+            rel = file_off - (plan.file_off + plan.stream_pos)
             # Name it from the write's own bytes when they hold the whole chunk.
             inside = view[rel:rel + length] if rel >= 0 and rel + length <= len(view) else None
             infos.append(self._name_streamed(stream, file_off, length, inside))
@@ -469,15 +504,23 @@ class FileData:
 
     def settle(self, df: DirtyFile, infos: list[ChunkInfo]) -> None:
         """Turn named chunks of staged bytes into chunks, stored once."""
+        freed: list[tuple[int, int]] = []
         for info in infos:
             staged = df.staged.get(info.staged_no)
             if staged is None:
                 continue                     # retired: nothing points at these bytes
             a, b = info.file_off, info.file_off + info.length
-            covering = [e for e in self._dirty_in(df, a, b) if e.chunk_no == staged.chunk_no]
+            i = bisect.bisect_right(df.starts, a) - 1
+            whole = i >= 0 and df.extents[i].chunk_no == staged.chunk_no and \
+                df.extents[i].end >= b       # the usual case: one staged extent holds it all
+            covering = [df.extents[i]] if whole else \
+                [e for e in self._dirty_in(df, a, b) if e.chunk_no == staged.chunk_no]
             if not covering or not staged.take(info.log_off, info.length):
                 continue                     # overwritten meanwhile: retires with the record
-            target = self._stored_twin(df, info.chunk_id)
+            # A chunk with these bytes already stored (committed, or new in this file)?
+            target = df.pending_ids.get(info.chunk_id)
+            if target is None:
+                target = ix.find_chunk_no(self.index, info.chunk_id)
             if target is None:
                 chunk = Chunk(self.index.allocate_id(b"next_chunk"), CHUNK_LOG, 0, info.length,
                               log_off=info.log_off, crcs=info.crcs, chunk_id=info.chunk_id)
@@ -487,18 +530,19 @@ class FileData:
             else:
                 self.dedup_hits += 1
                 self.dedup_bytes += info.length
-                self._release(df, info.log_off, info.length, stored=True)
+                # Neighbouring duplicates are neighbours in the log: one release.
+                if freed and freed[-1][0] + freed[-1][1] == info.log_off:
+                    freed[-1] = (freed[-1][0], freed[-1][1] + info.length)
+                else:
+                    freed.append((info.log_off, info.length))
+            if whole:
+                self._split_in(df, i, a, b, target)
+                continue
             for e in covering:
                 s, t = max(e.file_off, a), min(e.end, b)
                 self._put_dirty(df, Extent(s, t - s, target, s - a))
-
-    def _stored_twin(self, df: DirtyFile, cid: bytes) -> Optional[int]:
-        """A chunk with these bytes already stored (committed, or new in this file)."""
-        chunk_no = df.pending_ids.get(cid)
-        if chunk_no is not None:
-            return chunk_no
-        chunk = ix.find_chunk(self.index, cid)
-        return None if chunk is None else chunk.chunk_no
+        for off, length in freed:
+            self._release(df, off, length, stored=True)
 
     def staged_ranges(self, df: DirtyFile) -> list[tuple[int, int, int, int]]:
         """Every staged byte range the overlay still points at, for `cut_blocking`."""
@@ -517,6 +561,20 @@ class FileData:
                 else:
                     ranges.append((staged.chunk_no, e.file_off, e.length, log_off))
         return ranges
+
+    def _split_in(self, df: DirtyFile, i: int, a: int, b: int, target: int) -> None:
+        """Overlay extent i holds [a, b): that part now names chunk `target`."""
+        e = df.extents[i]
+        new = []
+        if e.file_off < a:
+            new.append(Extent(e.file_off, a - e.file_off, e.chunk_no, e.chunk_off))
+        new.append(Extent(a, b - a, target, 0))
+        if e.end > b:
+            new.append(Extent(b, e.end - b, e.chunk_no, e.chunk_off + (b - e.file_off)))
+        df.extents[i:i + 1] = new
+        df.starts[i:i + 1] = [x.file_off for x in new]
+        self._add_dirty_ref(df, target)
+        self._drop_dirty_ref(df, e.chunk_no, len(new) - 2)
 
     def _dirty_in(self, df: DirtyFile, a: int, b: int) -> list[Extent]:
         i = max(bisect.bisect_right(df.starts, a) - 1, 0)
@@ -598,9 +656,36 @@ class FileData:
             return
         del self.pinned[chunk_no]
         zombie = self.zombies.pop(chunk_no, None)
-        if zombie is not None:
+        if zombie is not None and zombie.kind == CHUNK_LOG:
             # Its deletion is in this batch or an earlier one: reuse after it is durable.
-            self.index.after_durable(lambda: self.log.release(zombie.log_off, zombie.length))
+            self.release_after_durable(zombie.log_off, zombie.length)
+
+    def begin_read(self) -> int:
+        """A read (or the mover) is about to use chunk bytes found in the index."""
+        self._reads[self._epoch] += 1
+        return self._epoch
+
+    def end_read(self, epoch: int) -> None:
+        self._reads[epoch] -= 1
+        if self._reads[epoch] <= 0:
+            del self._reads[epoch]
+        oldest = min(self._reads, default=None)
+        while self._freed_during_reads and (oldest is None
+                                            or self._freed_during_reads[0][0] < oldest):
+            _, off, length = self._freed_during_reads.pop(0)
+            self.log.release(off, length)
+
+    def release_after_durable(self, off: int, length: int) -> None:
+        """Committed space the open batch stops naming: reusable once that batch is
+        durable and no read that may have planned with it is still running."""
+        self.index.after_durable(lambda: self._release_after_reads(off, length))
+
+    def _release_after_reads(self, off: int, length: int) -> None:
+        if not self._reads:
+            self.log.release(off, length)
+            return
+        self._freed_during_reads.append((self._epoch, off, length))
+        self._epoch += 1
 
     def io_settled(self, df: DirtyFile) -> None:
         """No read or write of df is in flight: free the space given up meanwhile."""
@@ -682,6 +767,11 @@ class FileData:
                                    p.chunk_off)
             elif p.chunk.kind == CHUNK_STAGED:
                 self.log.read_unverified_into(dst, p.chunk.log_off + p.chunk_off)
+            elif p.chunk.kind == CHUNK_PACK:
+                if self.cold is None:
+                    raise DamagedData(f"chunk {p.chunk.chunk_no} is in the backing store, "
+                                      "which is not attached")
+                self.cold.read_into(dst, p.chunk, p.chunk_off)
             elif p.chunk.kind == CHUNK_SOURCE:
                 self.sources.read_into(dst, p.chunk.source_paths[0], p.chunk_off)
             else:
@@ -807,11 +897,11 @@ class FileData:
             ix.put_chunk(self.index, chunk)
             return
         ix.delete_chunk(self.index, chunk)
+        if self.pinned.get(chunk_no):
+            self.zombies[chunk_no] = chunk       # an open file still points at it
+            return
         if chunk.kind == CHUNK_LOG:
-            if self.pinned.get(chunk_no):
-                self.zombies[chunk_no] = chunk
-                return
-            self.index.after_durable(lambda: self.log.release(chunk.log_off, chunk.length))
+            self.release_after_durable(chunk.log_off, chunk.length)
         elif chunk.kind == CHUNK_SOURCE:
             self.index.after_durable(lambda: [self.sources.remove(path)
                                               for path in chunk.source_paths])

@@ -15,6 +15,7 @@ import logging
 import os
 import stat
 import sys
+import uuid as uuidlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
@@ -22,9 +23,13 @@ from typing import Callable, Iterable, Optional
 from tqdm import tqdm
 
 from . import index as ix
-from .daemon import ckptfs_mounts, lock_source
+from .daemon import backing_root, ckptfs_mounts, lock_source
 from .errors import CkptfsError, DamagedData, FormatError, UsageError
-from .index import CHUNK_LOG, CHUNK_SOURCE, ROOT_INO, Chunk, DirectTxn, Extent, Index, Inode
+from . import packs
+from .backing.base import Backend
+from .backing.local import LocalBackend
+from .index import (CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, ROOT_INO, Chunk, DirectTxn, Extent,
+                    Index, Inode)
 from .options import parse_options
 from .chunker import chunk_id
 from .pmemlog import SUPERBLOCK_BYTES, PmemLog
@@ -48,6 +53,7 @@ class Fsck:
     plog: Optional[PmemLog]
     source_fd: int
     verify_data: bool = True
+    backend: Optional[Backend] = None
     findings: list[Finding] = field(default_factory=list)
     # What the scans saw, shared by the checks.
     inodes: dict[int, Inode] = field(default_factory=dict)
@@ -65,8 +71,8 @@ class Fsck:
         self.load()
         for check in (self.check_root, self.check_dirents, self.check_link_counts,
                       self.check_extents, self.check_refcounts, self.check_logmap,
-                      self.check_chunk_ids, self.check_side_tables, self.check_counters,
-                      self.check_data):
+                      self.check_chunk_ids, self.check_packs, self.check_side_tables,
+                      self.check_counters, self.check_data):
             check()
 
     # ------------------------------------------------------------------ scan
@@ -234,6 +240,47 @@ class Fsck:
             self.problem("chunk ids", f"chunk {chunk_no} is missing from the id table",
                          _put("chunkids", cid, ix.u64(chunk_no)))
 
+    def check_packs(self) -> None:
+        """Pack records count exactly the chunks in them; every pack they name is
+        in the backing store; packs no record names are dead (gc's to delete)."""
+        live: Counter = Counter()
+        live_bytes: Counter = Counter()
+        for chunk in self.chunks.values():
+            if chunk.kind == CHUNK_PACK:
+                live[chunk.pack_no] += 1
+                live_bytes[chunk.pack_no] += chunk.stored_length
+        recorded = {}
+        for k, _ in self.index.items("packs", ix.u64(0), MAX):
+            pack = ix.get_pack(self.index, ix.read_u64(k))
+            recorded[pack.pack_no] = pack
+            if (pack.live_chunks, pack.live_bytes) != (live[pack.pack_no],
+                                                       live_bytes[pack.pack_no]):
+                self.problem("packs", f"pack {pack.pack_no} records {pack.live_chunks} live "
+                             f"chunks, the chunk table has {live[pack.pack_no]}",
+                             _put_pack(ix.PackInfo(pack.pack_no, live[pack.pack_no],
+                                                   live_bytes[pack.pack_no], pack.size_bytes)))
+        for pack_no in live.keys() - recorded.keys():
+            self.problem("packs", f"chunks name pack {pack_no}, which has no record",
+                         _put_pack(ix.PackInfo(pack_no, live[pack_no], live_bytes[pack_no], 0)))
+        if self.backend is None:
+            if live:
+                self.problem("packs", "chunks are in the backing store, which is not "
+                             "reachable: their data was not checked")
+            return
+        try:
+            blobs = set(self.backend.list("packs/"))
+        except CkptfsError as e:
+            self.problem("packs", f"cannot list the backing store: {e}")
+            return
+        for pack_no in live:
+            if packs.pack_name(pack_no) not in blobs:
+                self.problem("packs", f"pack {pack_no} is missing from {self.backend.url} "
+                             f"({live[pack_no]} chunks: reads of them give EIO)")
+        named = {packs.pack_name(n) for n in recorded} | {packs.pack_name(n) for n in live}
+        for blob in sorted(blobs - named):
+            self.problem("packs", f"{blob} is named by nothing (dead pack)",
+                         _delete_blob(self.backend, blob))
+
     def check_side_tables(self) -> None:
         for table in ("xattrs", "symlinks"):
             for k, _ in self.index.items(table, ix.u64(0), MAX):
@@ -258,7 +305,10 @@ class Fsck:
         # The chunk totals `ckptfs stat` shows, recounted (a leaked chunk's
         # repair takes it out of them itself).
         kept = list(self.chunks.values())
-        for name, want in ((b"chunks", len(kept)),
+        packed = [c for c in kept if c.kind == CHUNK_PACK]
+        for name, want in ((b"stored_pack_bytes", sum(c.stored_length for c in packed)),
+                           (b"pack_logical_bytes", sum(c.length for c in packed)),
+                           (b"chunks", len(kept)),
                            (b"stored_log_bytes", sum(c.length for c in kept
                                                      if c.kind == CHUNK_LOG)),
                            (b"stored_source_bytes", sum(c.length for c in kept
@@ -280,7 +330,12 @@ class Fsck:
         with bar:
             for chunk in chunks:
                 try:
-                    if chunk.kind == CHUNK_LOG and self.plog is not None:
+                    if chunk.kind == CHUNK_PACK:
+                        if self.backend is None:
+                            continue            # reported by check_packs
+                        from .tier import ColdStore      # compression only for cold data
+                        ColdStore(self.backend, 0).get(chunk)
+                    elif chunk.kind == CHUNK_LOG and self.plog is not None:
                         buf = memoryview(bytearray(chunk.length))
                         self.plog.read_into(buf, chunk.log_off, chunk.length, chunk.crcs, 0)
                         if chunk.chunk_id and chunk_id(buf) != chunk.chunk_id:
@@ -300,6 +355,16 @@ class Fsck:
 
 def _put(db: str, key: bytes, value: bytes) -> Repair:
     return lambda txn: txn.put(db, key, value)
+
+
+def _put_pack(pack: ix.PackInfo) -> Repair:
+    return lambda txn: ix.put_pack(txn, pack)
+
+
+def _delete_blob(backend: Backend, name: str) -> Repair:
+    def fix(txn: DirectTxn) -> None:
+        backend.delete(name)         # named by nothing: safe whatever the transaction does
+    return fix
 
 
 def _delete(db: str, key: bytes) -> Repair:
@@ -411,6 +476,7 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
     source_fd = os.open(opts.source, os.O_RDONLY | os.O_DIRECTORY)
     index = Index(opts.index_dir)
     plog = None
+    backend = None
     try:
         fs_uuid = index.check_format()
         try:
@@ -418,7 +484,15 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
                 if os.path.exists(opts.pmem_path) else None
         except CkptfsError as e:
             print(f"problem [log] {e}", file=out)
-        checker = Fsck(index, plog, source_fd, verify_data=verify_data)
+        store_uuid = ix.get_store_uuid(index)
+        if store_uuid is not None:
+            backend = LocalBackend(backing_root(opts, index), uuidlib.UUID(bytes=store_uuid))
+            try:
+                backend.check()
+            except CkptfsError as e:
+                print(f"problem [packs] {e}", file=out)
+                backend = None
+        checker = Fsck(index, plog, source_fd, verify_data=verify_data, backend=backend)
         checker.run()
         for f in checker.findings:
             print(f"problem [{f.check}] {f.message}", file=out)
@@ -435,6 +509,8 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
               file=out)
         return 4
     finally:
+        if backend is not None:
+            backend.close()
         if plog is not None:
             plog.close()
         index.close()

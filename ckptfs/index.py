@@ -13,9 +13,15 @@ order; little-endian in values):
               b"next_ino", b"next_chunk", b"next_cookie" -> u64 counters;
                            ids are never reused
               b"clean"  -> b"1" after a clean unmount, b"0" while mounted
-              b"chunks", b"stored_log_bytes", b"stored_source_bytes" -> u64
-                           totals over the chunk table, kept in the same
-                           transactions as the chunks (what `ckptfs stat` shows)
+              b"next_pack" -> u64 counter, never reused
+              b"store_uuid" -> 16 bytes: the backing store attached (its
+                           marker names it); absent until the first one is
+              b"store_path" -> where that store was created (used when no
+                           backing= is given)
+              b"chunks", b"stored_log_bytes", b"stored_source_bytes",
+              b"stored_pack_bytes", b"pack_logical_bytes" -> u64 totals over
+                           the chunk table, kept in the same transactions as
+                           the chunks (what `ckptfs stat` shows)
     inodes    ino -> Inode (see INODE_STRUCT). `parent` is kept for
               directories only (they have exactly one); `data_bytes` is the
               sum of extent lengths (what `du` shows).
@@ -33,11 +39,18 @@ order; little-endian in values):
               kind LOG:    log offset + chunk id (BLAKE3-256 of the bytes; all
                            zeros for data stored without dedup) + CRC-32C
                            per CRC_BLOCK_BYTES block
+              kind PACK:   pack no + offset + stored length + codec + codec
+                           param + CRC-32C of the stored payload + chunk id:
+                           a cold chunk, compressed in a pack file in the
+                           backing store
               kind SOURCE: path of a file that was in the directory before
                            it was mounted over (relative to SOURCE); a file
                            with hard links lists every name, NUL-separated
     chunkids  chunk id -> chunk no, for every chunk that has an id: how a
               write finds that its bytes are already stored
+    packs     pack no -> live chunks + their stored bytes + the pack's size
+              (a pack whose last live chunk goes is deleted from the backing
+              store once that is durable)
     logmap    log offset -> chunk no, for every LOG chunk: the log's used
               space, so the free space is its complement (read at mount)
     xattrs    ino + name -> value
@@ -77,16 +90,18 @@ CRC_BLOCK_BYTES = 64 * 1024
 
 CHUNK_LOG = 1
 CHUNK_SOURCE = 2
+CHUNK_PACK = 3
 
 DB_NAMES = ("meta", "inodes", "dirents", "dirlist", "extents", "chunks", "chunkids",
-            "logmap", "xattrs", "symlinks", "orphans")
+            "logmap", "packs", "xattrs", "symlinks", "orphans")
 
 CHUNK_ID_BYTES = 32
 NO_CHUNK_ID = bytes(CHUNK_ID_BYTES)
 
-ID_COUNTERS = (b"next_ino", b"next_chunk", b"next_cookie")
-# Totals over the chunk table; add_chunk/delete_chunk keep them exact.
-STAT_COUNTERS = (b"chunks", b"stored_log_bytes", b"stored_source_bytes")
+ID_COUNTERS = (b"next_ino", b"next_chunk", b"next_cookie", b"next_pack")
+# Totals over the chunk table; add_chunk/delete_chunk/move_chunk keep them exact.
+STAT_COUNTERS = (b"chunks", b"stored_log_bytes", b"stored_source_bytes", b"stored_pack_bytes",
+                 b"pack_logical_bytes")
 
 _U64 = struct.Struct(">Q")
 _U64x2 = struct.Struct(">QQ")
@@ -94,6 +109,8 @@ _EXTENT = struct.Struct("<QQQ")
 _DIRENT = struct.Struct("<QQ")
 _CHUNK_HEAD = struct.Struct("<BIQ")
 _LOGLOC = struct.Struct("<Q")
+_PACKLOC = struct.Struct("<QQIBBI")     # pack no, offset, stored length, codec, param, crc
+_PACK = struct.Struct("<QQQ")           # live chunks, live stored bytes, pack size
 INODE_STRUCT = struct.Struct("<IIIIQQqqqQQ")
 
 
@@ -164,6 +181,12 @@ class Chunk:
     crcs: bytes = b""                # CHUNK_LOG: u32 LE per CRC_BLOCK_BYTES block
     source_path: bytes = b""         # CHUNK_SOURCE: its original path(s), NUL-separated
     chunk_id: bytes = b""            # BLAKE3-256 of the bytes; b"" when not deduplicated
+    pack_no: int = 0                 # CHUNK_PACK: where its compressed payload is
+    pack_off: int = 0
+    stored_length: int = 0
+    codec: int = 0
+    codec_param: int = 0
+    payload_crc: int = 0
 
     @property
     def source_paths(self) -> list[bytes]:
@@ -174,6 +197,10 @@ class Chunk:
         head = _CHUNK_HEAD.pack(self.kind, self.refcount, self.length)
         if self.kind == CHUNK_LOG:
             return head + _LOGLOC.pack(self.log_off) + (self.chunk_id or NO_CHUNK_ID) + self.crcs
+        if self.kind == CHUNK_PACK:
+            return head + _PACKLOC.pack(self.pack_no, self.pack_off, self.stored_length,
+                                        self.codec, self.codec_param, self.payload_crc) \
+                + self.chunk_id
         return head + self.source_path
 
     @classmethod
@@ -185,6 +212,11 @@ class Chunk:
             cid = bytes(rest[_LOGLOC.size:cid_end])
             return cls(chunk_no, kind, refcount, length, log_off=_LOGLOC.unpack_from(rest)[0],
                        crcs=bytes(rest[cid_end:]), chunk_id=b"" if cid == NO_CHUNK_ID else cid)
+        if kind == CHUNK_PACK:
+            pack_no, pack_off, stored, codec, param, crc = _PACKLOC.unpack_from(rest)
+            return cls(chunk_no, kind, refcount, length, pack_no=pack_no, pack_off=pack_off,
+                       stored_length=stored, codec=codec, codec_param=param, payload_crc=crc,
+                       chunk_id=bytes(rest[_PACKLOC.size:]))
         if kind == CHUNK_SOURCE:
             return cls(chunk_no, kind, refcount, length, source_path=bytes(rest))
         raise FormatError(f"chunk {chunk_no}: unknown kind {kind}")
@@ -283,6 +315,7 @@ class Index:
         """
         if self.format_version() != 1:
             return False
+        # Format 1 predates tiering too: no packs, no pack counters (they read as 0).
 
         def upgrade(txn: "DirectTxn") -> None:
             totals = dict.fromkeys(STAT_COUNTERS, 0)
@@ -665,6 +698,25 @@ def get_chunk(kv, chunk_no: int) -> Optional[Chunk]:
     return None if raw is None else Chunk.decode(chunk_no, raw)
 
 
+def get_store_uuid(kv) -> Optional[bytes]:
+    return kv.get("meta", b"store_uuid")
+
+
+def get_store_path(kv) -> Optional[bytes]:
+    return kv.get("meta", b"store_path")
+
+
+def set_store(kv, store_uuid: bytes, path: bytes) -> None:
+    kv.put("meta", b"store_uuid", store_uuid)
+    kv.put("meta", b"store_path", path)
+
+
+def find_chunk_no(kv, chunk_id: bytes) -> Optional[int]:
+    """The number of the stored chunk whose bytes have this BLAKE3 id, if any."""
+    raw = kv.get("chunkids", chunk_id)
+    return None if raw is None else read_u64(raw)
+
+
 def find_chunk(kv, chunk_id: bytes) -> Optional[Chunk]:
     """The stored chunk whose bytes have this BLAKE3 id, if any."""
     raw = kv.get("chunkids", chunk_id)
@@ -674,11 +726,7 @@ def find_chunk(kv, chunk_id: bytes) -> Optional[Chunk]:
 def add_chunk(kv, chunk: Chunk) -> None:
     """Store a new chunk: its record, where it lives, its id, the totals."""
     kv.put("chunks", u64(chunk.chunk_no), chunk.encode())
-    if chunk.kind == CHUNK_LOG:
-        kv.put("logmap", u64(chunk.log_off), u64(chunk.chunk_no))
-        kv.adjust_counter(b"stored_log_bytes", chunk.length)
-    else:
-        kv.adjust_counter(b"stored_source_bytes", chunk.length)
+    _count_chunk(kv, chunk, +1)
     if chunk.chunk_id:
         kv.put("chunkids", chunk.chunk_id, u64(chunk.chunk_no))
     kv.adjust_counter(b"chunks", 1)
@@ -691,14 +739,60 @@ def put_chunk(kv, chunk: Chunk) -> None:
 
 def delete_chunk(kv, chunk: Chunk) -> None:
     kv.delete("chunks", u64(chunk.chunk_no))
-    if chunk.kind == CHUNK_LOG:
-        kv.delete("logmap", u64(chunk.log_off))
-        kv.adjust_counter(b"stored_log_bytes", -chunk.length)
-    else:
-        kv.adjust_counter(b"stored_source_bytes", -chunk.length)
-    if chunk.chunk_id:
+    _count_chunk(kv, chunk, -1)
+    # Only its own entry: a chunk stored without dedup and named when tiered
+    # may share its id with a twin the table names.
+    if chunk.chunk_id and kv.get("chunkids", chunk.chunk_id) == u64(chunk.chunk_no):
         kv.delete("chunkids", chunk.chunk_id)
     kv.adjust_counter(b"chunks", -1)
+
+
+def move_chunk(kv, old: Chunk, new: Chunk) -> None:
+    """The same chunk (number, id, refcount) now stored elsewhere (tiered)."""
+    _count_chunk(kv, old, -1)
+    kv.put("chunks", u64(new.chunk_no), new.encode())
+    _count_chunk(kv, new, +1)
+
+
+def _count_chunk(kv, chunk: Chunk, sign: int) -> None:
+    """Where a chunk lives, and the totals: one place for add, delete and move."""
+    if chunk.kind == CHUNK_LOG:
+        if sign > 0:
+            kv.put("logmap", u64(chunk.log_off), u64(chunk.chunk_no))
+        else:
+            kv.delete("logmap", u64(chunk.log_off))
+        kv.adjust_counter(b"stored_log_bytes", sign * chunk.length)
+    elif chunk.kind == CHUNK_PACK:
+        kv.adjust_counter(b"stored_pack_bytes", sign * chunk.stored_length)
+        kv.adjust_counter(b"pack_logical_bytes", sign * chunk.length)
+        pack = get_pack(kv, chunk.pack_no) or PackInfo(chunk.pack_no, 0, 0, 0)
+        pack.live_chunks += sign
+        pack.live_bytes += sign * chunk.stored_length
+        put_pack(kv, pack)
+    else:
+        kv.adjust_counter(b"stored_source_bytes", sign * chunk.length)
+
+
+@dataclass(slots=True)
+class PackInfo:
+    pack_no: int
+    live_chunks: int
+    live_bytes: int
+    size_bytes: int
+
+
+def get_pack(kv, pack_no: int) -> Optional[PackInfo]:
+    raw = kv.get("packs", u64(pack_no))
+    return None if raw is None else PackInfo(pack_no, *_PACK.unpack(raw))
+
+
+def put_pack(kv, pack: PackInfo) -> None:
+    kv.put("packs", u64(pack.pack_no), _PACK.pack(pack.live_chunks, pack.live_bytes,
+                                                  pack.size_bytes))
+
+
+def delete_pack(kv, pack_no: int) -> None:
+    kv.delete("packs", u64(pack_no))
 
 
 def iter_extents(kv: "Index", ino: int, start: int = 0, end: int = 1 << 63) -> Iterator[Extent]:

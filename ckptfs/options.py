@@ -32,6 +32,12 @@ OPTIONS: dict[str, tuple[bool, str]] = {
                          "wait for it (default 1)"),
     "dedup": (True, "on (default): store bytes already stored (by any file, any version) "
                     "only once; off: store every write as written"),
+    "backing": (True, "backing store directory cold chunks move to, compressed "
+                      "(default SOURCE/.ckptfs/store; in production a shared filesystem)"),
+    "hot_versions": (True, "checkpoint versions kept hot in the log (default 2); older ones "
+                           "move to the backing store"),
+    "tiering": (True, "on (default): move cold versions to the backing store in the "
+                      "background; off: keep everything in the log"),
     "allow_other": (False, "let other users access the mount (needs user_allow_other for "
                            "non-root)"),
     "ro": (False, "mount read-only"),
@@ -65,6 +71,9 @@ class MountOptions:
     sync: str = "close"
     lazy_delay_s: float = 1.0
     dedup: bool = True
+    backing: Optional[str] = None
+    hot_versions: int = 2
+    tiering: bool = True
     allow_other: bool = False
     read_only: bool = False
     debug: bool = False
@@ -78,6 +87,10 @@ class MountOptions:
     @property
     def pmem_path(self) -> str:
         return self.pmem or os.path.join(self.state_dir, "pmem.log")
+
+    @property
+    def backing_dir(self) -> str:
+        return self.backing or os.path.join(self.state_dir, "store")
 
     @property
     def index_dir(self) -> str:
@@ -100,6 +113,10 @@ class MountOptions:
         parts.append(f"sync={self.sync}")
         parts.append(f"lazy_delay={self.lazy_delay_s}")
         parts.append(f"dedup={'on' if self.dedup else 'off'}")
+        if self.backing:
+            parts.append(f"backing={self.backing}")
+        parts.append(f"hot_versions={self.hot_versions}")
+        parts.append(f"tiering={'on' if self.tiering else 'off'}")
         for flag, on in (("allow_other", self.allow_other), ("ro", self.read_only),
                          ("debug", self.debug)):
             if on:
@@ -158,6 +175,19 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
         if value not in ("on", "off"):
             raise UsageError(f"dedup must be 'on' or 'off', not {value!r}")
         opts.dedup = value == "on"
+    elif name == "backing":
+        opts.backing = os.path.abspath(value)
+    elif name == "hot_versions":
+        try:
+            opts.hot_versions = int(value)
+        except ValueError:
+            raise UsageError(f"hot_versions must be a whole number, not {value!r}") from None
+        if not 0 <= opts.hot_versions <= 1_000_000:
+            raise UsageError("hot_versions must be between 0 and 1000000")
+    elif name == "tiering":
+        if value not in ("on", "off"):
+            raise UsageError(f"tiering must be 'on' or 'off', not {value!r}")
+        opts.tiering = value == "on"
     elif name == "allow_other":
         opts.allow_other = True
     elif name == "ro":

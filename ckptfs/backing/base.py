@@ -1,0 +1,198 @@
+"""The backing-store interface: where cold chunks (in pack files) go.
+
+A backend stores *blobs*: immutable byte strings under names. Every call
+blocks (callers run them on worker threads) and every backend is safe to use
+from several threads at once.
+
+Names are relative, "/"-separated paths such as
+"packs/ab/<64 hex>.pack" or "manifests/<id>.json" (`validate_name`): not
+empty, no leading or trailing "/", no empty, "." or ".." component, no
+component starting with "." (reserved for a backend's own temporary
+objects), no NUL, at most `MAX_COMPONENT_BYTES` UTF-8 bytes per component,
+and not `MARKER_NAME` nor below it (the store's marker, which every backend
+keeps at its root). A name cannot also be a prefix ending in "/" of another
+blob's name ("a" and "a/b" cannot both exist: directories in LocalBackend).
+
+Visibility: a new blob is written through a `BlobWriter` and becomes visible
+under its name, whole and durable, only when `commit()` returns; until then
+(and after `abort()`, or a crash) no reader or `list()` sees it. Committing
+a name that exists replaces that blob atomically; pack files are never
+replaced (their names are unique), small metadata blobs may be.
+
+Errors are the project's own (`ckptfs.errors`), each naming the store (its
+`url`) and the blob:
+
+    BackingUnavailable  the store cannot be reached, or is not the store it
+                        should be (missing marker, other store uuid)
+    BackingFull         no room                                  (ENOSPC)
+    BackingReadOnly     writes refused                           (EROFS)
+    BlobMissing         no blob of that name (the store is there) (ENOENT)
+    BlobDamaged         a blob shorter than the range read, or failing a check
+    InvalidArgument     a bad name
+"""
+
+from __future__ import annotations
+
+import uuid as uuidlib
+from abc import ABC, abstractmethod
+from typing import Optional, Union
+
+from ..errors import InvalidArgument
+
+MARKER_NAME = "ckptfs-store"
+MAX_COMPONENT_BYTES = 200
+
+UuidLike = Union[uuidlib.UUID, str, bytes]
+
+
+def as_uuid(value: Optional[UuidLike]) -> Optional[uuidlib.UUID]:
+    """A store uuid given as UUID, its string form, or its 16 bytes."""
+    if value is None or isinstance(value, uuidlib.UUID):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return uuidlib.UUID(bytes=bytes(value))
+    return uuidlib.UUID(str(value))
+
+
+def validate_name(name: str) -> str:
+    """Return `name` if it is a valid blob name, else raise InvalidArgument."""
+    if not isinstance(name, str):
+        raise InvalidArgument(f"blob name must be a str, not {type(name).__name__}")
+    if not name:
+        raise InvalidArgument("empty blob name")
+    if "\0" in name:
+        raise InvalidArgument(f"blob name {name!r} contains NUL")
+    if name.startswith("/"):
+        raise InvalidArgument(f"blob name {name!r} is absolute")
+    if name.partition("/")[0] == MARKER_NAME:
+        raise InvalidArgument(f"blob name {name!r}: {MARKER_NAME!r} is the store marker")
+    for part in name.split("/"):
+        if part in ("", ".", ".."):
+            raise InvalidArgument(f"blob name {name!r} has an empty, '.' or '..' component")
+        if part.startswith("."):
+            raise InvalidArgument(f"blob name {name!r}: components starting with '.' "
+                                  "are reserved for temporary objects")
+        try:
+            encoded = part.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"blob name {name!r} is not valid UTF-8") from None
+        if len(encoded) > MAX_COMPONENT_BYTES:
+            raise InvalidArgument(f"blob name {name!r}: component longer than "
+                                  f"{MAX_COMPONENT_BYTES} bytes")
+    return name
+
+
+def validate_prefix(prefix: str) -> str:
+    """A `list()` prefix: "" or a name prefix whose complete components are valid."""
+    if not isinstance(prefix, str):
+        raise InvalidArgument(f"prefix must be a str, not {type(prefix).__name__}")
+    if "\0" in prefix or prefix.startswith("/"):
+        raise InvalidArgument(f"bad list prefix {prefix!r}")
+    head, _, _tail = prefix.rpartition("/")
+    if head:
+        validate_name(head)
+    return prefix
+
+
+class BlobWriter(ABC):
+    """One new blob, written front to back. Nothing is visible until `commit()`.
+
+    A context manager: leaving the block without `commit()` aborts. After an
+    error from `write()` or `commit()` the writer is aborted (nothing left
+    behind, except what `commit()`'s docstring says).
+    """
+
+    name: str
+
+    @abstractmethod
+    def write(self, data) -> None:
+        """Append `data` (any bytes-like object) to the blob. The caller may
+        reuse `data` once this returns (a buffering writer copies it)."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the blob durable and visible under its name, atomically.
+
+        If it raises, the blob was not made visible, with one exception: an
+        error after the blob became visible (e.g. a failed directory fsync, a
+        lost reply) can leave it visible but not known durable; callers treat
+        a failed commit as "state unknown" and may delete or rewrite the name.
+        """
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop the blob: nothing is left behind. Idempotent; no-op after commit."""
+
+    @property
+    @abstractmethod
+    def committed(self) -> bool:
+        """True once `commit()` returned."""
+
+    def __enter__(self) -> "BlobWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.committed:
+            self.abort()
+
+
+class Backend(ABC):
+    """A store of immutable blobs; see the module docstring for the rules."""
+
+    url: str                                   # for messages, e.g. "file:///mnt/cold"
+    store_uuid: Optional[uuidlib.UUID] = None  # the store this must be (None: any)
+
+    @abstractmethod
+    def writer(self, name: str) -> BlobWriter:
+        """Start a new blob `name`; nothing is visible until its `commit()`."""
+
+    @abstractmethod
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        """Exactly `length` bytes of blob `name` from `offset`.
+
+        A range past the blob's end raises BlobDamaged (the caller asked for
+        bytes the blob should have); a missing blob raises BlobMissing.
+        """
+
+    @abstractmethod
+    def size(self, name: str) -> int:
+        """The blob's length in bytes (BlobMissing if there is none)."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Names of committed blobs starting with `prefix`, sorted.
+
+        Never lists uncommitted blobs or the marker. Raises BackingUnavailable
+        rather than answer [] for a store that is not there.
+        """
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove blob `name`, durably. A missing blob is fine."""
+
+    @abstractmethod
+    def free_bytes(self) -> Optional[int]:
+        """Bytes that can still be written, or None if the store cannot say."""
+
+    @abstractmethod
+    def check(self) -> None:
+        """Raise if the store is unusable: BackingUnavailable (not there, not
+        this store), BackingReadOnly (cannot be written: reads still work)."""
+
+    def remove_incomplete(self, older_than: float = 3600.0) -> int:
+        """Remove the leftovers of blobs never committed (a crash mid-write)
+        that are older than `older_than` seconds; return how many. Backends
+        without such leftovers return 0."""
+        return 0
+
+    def close(self) -> None:
+        """Release cached resources (open files, connections). Idempotent."""
+
+    def __enter__(self) -> "Backend":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

@@ -1,0 +1,575 @@
+"""LocalBackend: blobs as files under a directory (local disk, NFS, Lustre).
+
+Layout under the root directory:
+
+    ckptfs-store            the marker: one line of JSON,
+                            {"format": "ckptfs-store", "version": 1, "uuid": "<store uuid>"}
+    <name>                  each committed blob, e.g. packs/ab/<hex>.pack
+    <dir>/.<base>.tmp-<hex> a blob being written (never listed; a crash leaves
+                            it behind for `remove_incomplete`)
+
+The marker is made only by `LocalBackend.create` (or `open(..., create=True)`),
+on first use. Everything else refuses to work without it, and never creates
+the root: a store whose directory vanished (an NFS mount gone, leaving an
+empty mountpoint) is reported as BackingUnavailable, never refilled with new
+empty directories. Writers, `list`, `free_bytes`, `check` and `remove_incomplete`
+read the marker first; a read that finds no file reads it to tell a missing
+blob (BlobMissing) from a missing store (BackingUnavailable). When the backend
+was given no store uuid, it adopts the first one it reads, so a directory
+swapped for another store later is refused too.
+
+Writes: a temporary file (mode 0600) in the blob's own directory, then at
+commit fsync, close, rename over the name, fsync of the directory. Parent
+directories are created as needed and each creation is fsync'ed in its parent.
+Deletes unlink and fsync the directory.
+
+Reads: pread(2) on a cached read-only fd; at most `max_open_files` are kept
+(least recently used first out). An fd is closed only when no thread is reading
+through it, so several worker threads can read at once. A committed or deleted
+name drops its cached fd; ESTALE (NFS) reopens once.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import stat
+import threading
+import time
+import uuid as uuidlib
+from collections import OrderedDict
+from typing import Optional
+
+from ..errors import (AlreadyExists, BackingError, BackingFull, BackingReadOnly,
+                      BackingUnavailable, BlobDamaged, BlobMissing, InvalidArgument)
+from .base import (MARKER_NAME, Backend, BlobWriter, UuidLike, as_uuid, validate_name,
+                   validate_prefix)
+
+MARKER_FORMAT = "ckptfs-store"
+MARKER_VERSION = 1
+TMP_TAG = ".tmp-"
+_WRITE_OPS = frozenset({"write", "create", "commit", "delete", "mkdir", "check"})
+_UNAVAILABLE_ERRNOS = frozenset({errno.ENOTCONN, errno.ESTALE, errno.EIO, errno.ETIMEDOUT,
+                                 errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENODEV,
+                                 errno.ENXIO, errno.ENETDOWN, errno.ENETUNREACH})
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):   # some filesystems refuse dir fsync
+            raise
+    finally:
+        os.close(fd)
+
+
+def _tmp_name(base: str) -> str:
+    return f".{base}{TMP_TAG}{secrets.token_hex(8)}"
+
+
+class _CachedFd:
+    __slots__ = ("fd", "users", "evicted")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.users = 0
+        self.evicted = False
+
+
+class LocalBackend(Backend):
+    """A directory as a blob store; see the module docstring.
+
+    The constructor does no I/O (a daemon may start while the store is away);
+    use `open` or `check` to find out whether it is there.
+    """
+
+    def __init__(self, root: "os.PathLike[str] | str", store_uuid: Optional[UuidLike] = None,
+                 *, max_open_files: int = 64) -> None:
+        if max_open_files < 1:
+            raise ValueError("max_open_files must be at least 1")
+        self.root = os.path.abspath(os.fspath(root))
+        self.url = "file://" + self.root
+        self.store_uuid = as_uuid(store_uuid)
+        self.max_open_files = max_open_files
+        self._lock = threading.Lock()
+        self._fds: "OrderedDict[str, _CachedFd]" = OrderedDict()
+
+    # -- opening and creating ------------------------------------------------------
+
+    @classmethod
+    def open(cls, root: "os.PathLike[str] | str", store_uuid: Optional[UuidLike] = None,
+             *, create: bool = False, **kw) -> "LocalBackend":
+        """The store at `root`; BackingUnavailable unless its marker is there
+        (and names `store_uuid`, if given). `create=True` makes it if needed."""
+        if create:
+            return cls.create(root, store_uuid, **kw)
+        backend = cls(root, store_uuid, **kw)
+        backend._verify_marker()
+        return backend
+
+    @classmethod
+    def create(cls, root: "os.PathLike[str] | str", store_uuid: Optional[UuidLike] = None,
+               **kw) -> "LocalBackend":
+        """Make a new store at `root` (the directory and its marker), or open the
+        one there if its marker names `store_uuid` (any uuid when None).
+
+        Call this only on first use, when nothing says a store existed before;
+        afterwards use `open`/the constructor with the uuid kept elsewhere.
+        Refuses (AlreadyExists) a directory that holds another store, or
+        anything besides lost+found.
+        """
+        backend = cls(root, store_uuid, **kw)
+        wanted = backend.store_uuid
+        root = backend.root
+        try:
+            backend._makedirs_abs(root)
+            found = backend._read_marker()
+            if found is not None:
+                if wanted is not None and found != wanted:
+                    raise AlreadyExists(f"{backend.url}: already holds ckptfs store {found}, "
+                                        f"not {wanted}")
+                backend.store_uuid = found
+                return backend
+            others = sorted(e for e in os.listdir(root) if e != "lost+found")
+            if others:
+                shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+                raise AlreadyExists(f"{backend.url}: not empty and not a ckptfs store "
+                                    f"(holds {shown}); refusing to create a store there")
+            new = wanted or uuidlib.uuid4()
+            body = json.dumps({"format": MARKER_FORMAT, "version": MARKER_VERSION,
+                               "uuid": str(new)}).encode() + b"\n"
+            tmp = os.path.join(root, _tmp_name(MARKER_NAME))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, body)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.rename(tmp, os.path.join(root, MARKER_NAME))
+            except OSError:
+                _unlink_quietly(tmp)
+                raise
+            _fsync_dir(root)
+        except OSError as e:
+            raise backend._os_error(e, "create", None) from e
+        backend.store_uuid = new
+        return backend
+
+    def _read_marker(self) -> Optional[uuidlib.UUID]:
+        """The uuid in the marker, None if there is no marker; raises on damage."""
+        path = os.path.join(self.root, MARKER_NAME)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(4096)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            doc = json.loads(raw)
+            if doc.get("format") != MARKER_FORMAT:
+                raise ValueError(f"format {doc.get('format')!r}")
+            if doc.get("version") != MARKER_VERSION:
+                raise ValueError(f"version {doc.get('version')!r}")
+            return uuidlib.UUID(doc["uuid"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise BackingUnavailable(f"{self.url}: store marker {MARKER_NAME} is damaged "
+                                     f"or of another version ({e})") from None
+
+    def _verify_marker(self) -> uuidlib.UUID:
+        try:
+            found = self._read_marker()
+        except OSError as e:
+            raise BackingUnavailable(f"{self.url}: cannot read the store marker: "
+                                     f"{e.strerror or e}") from e
+        if found is None:
+            why = ("directory missing" if not os.path.isdir(self.root)
+                   else "directory has no store marker: not mounted, or not a ckptfs store")
+            raise BackingUnavailable(f"{self.url}: backing store unavailable ({why})")
+        if self.store_uuid is None:
+            self.store_uuid = found
+        elif found != self.store_uuid:
+            raise BackingUnavailable(f"{self.url}: holds ckptfs store {found}, "
+                                     f"not the expected {self.store_uuid}")
+        return found
+
+    # -- errors ------------------------------------------------------------------
+
+    def _os_error(self, e: OSError, op: str, name: Optional[str]) -> BackingError:
+        """The project's exception for an OSError of `op` on blob `name`."""
+        where = f"{self.url}: {name}" if name else self.url
+        code = e.errno
+        text = f"{op}: {e.strerror or e} ({errno.errorcode.get(code, code)})"
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            return BackingFull(f"{where}: {text}")
+        if code == errno.EROFS:
+            return BackingReadOnly(f"{where}: {text}")
+        if code in (errno.EACCES, errno.EPERM):
+            cls = BackingReadOnly if op in _WRITE_OPS else BackingUnavailable
+            return cls(f"{where}: {text}")
+        if code in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR) and name is not None:
+            try:
+                self._verify_marker()
+            except BackingError as missing_store:
+                return missing_store
+            if op in ("read", "size", "delete"):
+                return BlobMissing(f"{where}: no such blob")
+        return BackingUnavailable(f"{where}: {text}")
+
+    # -- paths -------------------------------------------------------------------
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.root, validate_name(name))
+
+    def _makedirs_abs(self, path: str) -> None:
+        """Create `path` and missing parents, fsync'ing each creation in its parent."""
+        missing = []
+        while not os.path.isdir(path):
+            missing.append(path)
+            parent = os.path.dirname(path)
+            if parent == path:
+                break
+            path = parent
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, 0o755)
+            except FileExistsError:
+                continue
+            _fsync_dir(os.path.dirname(d))
+
+    def _makedirs(self, rel_dir: str) -> None:
+        """Create directories below the root (which must exist: never recreated)."""
+        path = self.root
+        for part in rel_dir.split("/"):
+            parent, path = path, os.path.join(path, part)
+            try:
+                os.mkdir(path, 0o755)
+            except FileExistsError:
+                if not os.path.isdir(path):
+                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR),
+                                             path) from None
+                continue
+            _fsync_dir(parent)
+
+    # -- Backend -----------------------------------------------------------------
+
+    def writer(self, name: str) -> BlobWriter:
+        path = self._path(name)
+        self._verify_marker()
+        rel_dir = os.path.dirname(name)
+        try:
+            if rel_dir and not os.path.isdir(os.path.dirname(path)):
+                self._makedirs(rel_dir)
+        except OSError as e:
+            if e.errno == errno.ENOTDIR:
+                self._verify_marker()
+                raise InvalidArgument(f"{self.url}: {name}: a parent of this name is a blob "
+                                      "(a name cannot be both a blob and a prefix)") from e
+            raise self._os_error(e, "mkdir", name) from e
+        try:
+            is_dir = os.path.isdir(path)
+        except OSError:
+            is_dir = False
+        if is_dir:
+            raise InvalidArgument(f"{self.url}: {name}: names a prefix of other blobs "
+                                  "(a name cannot be both a blob and a prefix)")
+        return _LocalWriter(self, name, path)
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        validate_name(name)
+        if offset < 0 or length < 0:
+            raise InvalidArgument(f"{self.url}: {name}: bad range offset={offset} length={length}")
+        for attempt in (0, 1):
+            ent = self._acquire(name)
+            try:
+                return self._pread_exact(ent.fd, name, offset, length)
+            except OSError as e:
+                if e.errno == errno.ESTALE and attempt == 0:
+                    self._forget(name)
+                    continue
+                raise self._os_error(e, "read", name) from e
+            finally:
+                self._release(ent)
+        raise AssertionError("unreachable")
+
+    def _pread_exact(self, fd: int, name: str, offset: int, length: int) -> bytes:
+        data = os.pread(fd, length, offset)
+        if len(data) == length:
+            if length == 0 and offset > os.fstat(fd).st_size:
+                raise BlobDamaged(f"{self.url}: {name}: offset {offset} is past the end of "
+                                  f"the blob ({os.fstat(fd).st_size} bytes)")
+            return data
+        parts = [data]
+        got = len(data)
+        while got < length:
+            more = os.pread(fd, length - got, offset + got)
+            if not more:
+                size = os.fstat(fd).st_size
+                raise BlobDamaged(f"{self.url}: {name}: range [{offset}, {offset + length}) "
+                                  f"goes past the end of the blob ({size} bytes)")
+            parts.append(more)
+            got += len(more)
+        return b"".join(parts)
+
+    def size(self, name: str) -> int:
+        path = self._path(name)
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise self._os_error(e, "size", name) from e
+        if not stat.S_ISREG(st.st_mode):
+            raise BlobMissing(f"{self.url}: {name}: not a blob")
+        return st.st_size
+
+    def list(self, prefix: str = "") -> list[str]:
+        validate_prefix(prefix)
+        self._verify_marker()
+        head = prefix.rpartition("/")[0]
+        start = os.path.join(self.root, head) if head else self.root
+        out: list[str] = []
+
+        def onerror(e: OSError) -> None:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR) and e.filename == start:
+                return                           # nothing under that prefix
+            raise self._os_error(e, "list", None) from e
+
+        for dirpath, dirnames, filenames in os.walk(start, onerror=onerror):
+            rel = os.path.relpath(dirpath, self.root)
+            rel = "" if rel == "." else rel + "/"
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")
+                           and ((rel + d + "/").startswith(prefix)
+                                or prefix.startswith(rel + d + "/"))]
+            for f in filenames:
+                n = rel + f
+                if f.startswith(".") or n == MARKER_NAME or not n.startswith(prefix):
+                    continue
+                out.append(n)
+        out.sort()
+        return out
+
+    def delete(self, name: str) -> None:
+        path = self._path(name)
+        self._forget(name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            self._verify_marker()                # a store that is gone is not "deleted"
+            return
+        except OSError as e:
+            raise self._os_error(e, "delete", name) from e
+        try:
+            _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            raise self._os_error(e, "delete", name) from e
+
+    def free_bytes(self) -> Optional[int]:
+        self._verify_marker()
+        try:
+            st = os.statvfs(self.root)
+        except OSError as e:
+            raise self._os_error(e, "statfs", None) from e
+        return st.f_bavail * st.f_frsize
+
+    def check(self) -> None:
+        self._verify_marker()
+        try:
+            if os.statvfs(self.root).f_flag & os.ST_RDONLY:
+                raise BackingReadOnly(f"{self.url}: mounted read-only")
+            probe = os.path.join(self.root, _tmp_name("probe"))
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise self._os_error(e, "check", None) from e
+
+    def remove_incomplete(self, older_than: float = 3600.0) -> int:
+        self._verify_marker()
+        cutoff = time.time() - older_than
+        removed = 0
+
+        def onerror(e: OSError) -> None:
+            raise self._os_error(e, "list", None) from e
+
+        for dirpath, dirnames, filenames in os.walk(self.root, onerror=onerror):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for f in filenames:
+                if not (f.startswith(".") and TMP_TAG in f):
+                    continue
+                path = os.path.join(dirpath, f)
+                try:
+                    if os.lstat(path).st_mtime <= cutoff:
+                        os.unlink(path)
+                        removed += 1
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    raise self._os_error(e, "delete", os.path.relpath(path, self.root)) from e
+        return removed
+
+    def close(self) -> None:
+        with self._lock:
+            ents = list(self._fds.values())
+            self._fds.clear()
+            to_close = []
+            for ent in ents:
+                ent.evicted = True
+                if ent.users == 0:
+                    to_close.append(ent.fd)
+        for fd in to_close:
+            os.close(fd)
+
+    # -- the fd cache ------------------------------------------------------------
+
+    def _acquire(self, name: str) -> _CachedFd:
+        with self._lock:
+            ent = self._fds.get(name)
+            if ent is not None:
+                self._fds.move_to_end(name)
+                ent.users += 1
+                return ent
+        try:                                     # open outside the lock: NFS may be slow
+            fd = os.open(os.path.join(self.root, name), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise self._os_error(e, "read", name) from e
+        try:
+            is_file = stat.S_ISREG(os.fstat(fd).st_mode)
+        except OSError as e:
+            os.close(fd)
+            raise self._os_error(e, "read", name) from e
+        if not is_file:
+            os.close(fd)
+            raise BlobMissing(f"{self.url}: {name}: not a blob")
+        to_close = []
+        with self._lock:
+            ent = self._fds.get(name)
+            if ent is not None:                  # another thread opened it meanwhile
+                to_close.append(fd)
+                self._fds.move_to_end(name)
+            else:
+                ent = _CachedFd(fd)
+                self._fds[name] = ent
+                while len(self._fds) > self.max_open_files:
+                    _, old = self._fds.popitem(last=False)
+                    old.evicted = True
+                    if old.users == 0:
+                        to_close.append(old.fd)
+            ent.users += 1
+        for f in to_close:
+            os.close(f)
+        return ent
+
+    def _release(self, ent: _CachedFd) -> None:
+        with self._lock:
+            ent.users -= 1
+            close = ent.evicted and ent.users == 0
+        if close:
+            os.close(ent.fd)
+
+    def _forget(self, name: str) -> None:
+        """Drop the cached fd of `name` (closed once its readers are done)."""
+        with self._lock:
+            ent = self._fds.pop(name, None)
+            if ent is None:
+                return
+            ent.evicted = True
+            close = ent.users == 0
+        if close:
+            os.close(ent.fd)
+
+    def cached_fds(self) -> int:
+        """How many fds the cache holds (for tests and stats)."""
+        with self._lock:
+            return len(self._fds)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class _LocalWriter(BlobWriter):
+    """A temp file next to the final name; see LocalBackend. One thread at a time."""
+
+    def __init__(self, backend: LocalBackend, name: str, path: str) -> None:
+        self.name = name
+        self._backend = backend
+        self._path = path
+        self._dir = os.path.dirname(path)
+        self._tmp = os.path.join(self._dir, _tmp_name(os.path.basename(path)))
+        self._state = "open"            # open -> committed | aborted | failed (visible, unknown)
+        self.bytes_written = 0
+        self._fd: Optional[int] = None
+        try:
+            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                               0o600)
+        except OSError as e:
+            self._state = "aborted"
+            raise backend._os_error(e, "create", name) from e
+
+    @property
+    def committed(self) -> bool:
+        return self._state == "committed"
+
+    def _need_open(self) -> int:
+        if self._state != "open" or self._fd is None:
+            raise InvalidArgument(f"{self._backend.url}: {self.name}: writer is {self._state}")
+        return self._fd
+
+    def write(self, data) -> None:
+        fd = self._need_open()
+        mv = memoryview(data)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        try:
+            while mv:
+                n = os.write(fd, mv)
+                mv = mv[n:]
+                self.bytes_written += n
+        except OSError as e:
+            self.abort()
+            raise self._backend._os_error(e, "write", self.name) from e
+
+    def commit(self) -> None:
+        fd = self._need_open()
+        try:
+            os.fsync(fd)
+            self._fd = None
+            os.close(fd)
+            os.rename(self._tmp, self._path)
+        except OSError as e:
+            self.abort()
+            raise self._backend._os_error(e, "commit", self.name) from e
+        self._backend._forget(self.name)        # a replaced blob must not be read via an old fd
+        try:
+            _fsync_dir(self._dir)
+        except OSError as e:
+            self._state = "failed"               # visible, durability unknown
+            raise self._backend._os_error(e, "commit", self.name) from e
+        self._state = "committed"
+
+    def abort(self) -> None:
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        _unlink_quietly(self._tmp)
+
+    def __del__(self) -> None:
+        try:
+            if getattr(self, "_state", None) == "open":
+                self.abort()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<LocalBlobWriter {self._backend.url}: {self.name} ({self._state})>"

@@ -1,0 +1,586 @@
+"""Tiering: cold chunks move, compressed, to backing storage; reads bring them back.
+
+What is cold (`TierPolicy`, `Tierer.plan`): files are grouped into versions
+(the files of one directory whose commits lie within `version_gap_s` of each
+other; a file directly in the mount root is a version of its own). The
+`hot_versions` newest versions stay in the log; every other version's chunks
+are cold, unless a hot version or an open file shares them. When the log is
+fuller than `high_watermark`, hot versions go too, oldest first, until the
+plan brings it under `low_watermark`; writers that find the log full wait
+(`make_room`) while that happens.
+
+Moving (`Tierer.tier_once`): on the trio thread, plan; on a worker thread,
+read each chunk from the log (verified), compress it (`codec`), append it to
+a pack, commit the pack (temp name, fsync, rename, fsync dir: `backing`);
+back on the trio thread, flip every chunk that is still where it was to its
+pack location in the open index batch. Its log space is released once that
+batch is durable and no read that might still use it is in flight. Then the
+manifests of files that are now wholly cold go to the backing store too, so
+`ckptfs recover` can rebuild them from the store alone. Failures (store
+missing, read-only, full, slow) leave hot data alone; the mover retries with
+backoff and says why in the log and in `ckptfs stat`.
+
+Reading (`ColdStore`): a cold chunk's payload range is read from its pack,
+CRC-checked, decompressed, and its BLAKE3 id verified before a byte is used;
+decoded chunks are kept in a bounded LRU cache, and sequential reads prefetch
+the chunks ahead on worker threads.
+
+Which functions may block: `ColdStore.get`/`read_into` and every `*_blocking`
+function; everything else runs on the trio thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import stat
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import trio
+
+from . import codec
+from . import index as ix
+from . import packs
+from .backing.base import Backend
+from .chunker import chunk_id
+from .errors import CkptfsError, DamagedData, NoSpace
+from .index import CHUNK_LOG, CHUNK_PACK, Chunk, Inode
+
+log = logging.getLogger(__name__)
+
+MANIFEST_DIR = "manifests"
+
+
+@dataclass
+class TierPolicy:
+    hot_versions: int = 2
+    high_watermark: float = 0.75     # log use that sends hot versions out too
+    low_watermark: float = 0.5       # ... until the plan brings it below this
+    interval_s: float = 5.0          # how often the mover looks
+    pack_bytes: int = 64 << 20       # logical bytes per pack
+    version_gap_s: float = 120.0     # commits of one directory this close are one version
+    cache_bytes: int = 256 << 20     # decoded cold chunks kept for reads
+    prefetch_chunks: int = 32        # chunks read ahead of a sequential cold read
+
+
+@dataclass
+class Version:
+    """Files of one directory committed close together: one checkpoint."""
+
+    parent: int
+    newest_ns: int
+    files: list[Inode] = field(default_factory=list)
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(f.data_bytes for f in self.files)
+
+
+# ------------------------------------------------------------------ reading
+
+class ColdStore:
+    """Cold chunk bytes: fetched from packs, verified, cached. Thread-safe."""
+
+    def __init__(self, backend: Backend, cache_bytes: int) -> None:
+        self.backend = backend
+        self.cache_limit = cache_bytes
+        self._cache: OrderedDict[bytes, bytes] = OrderedDict()   # chunk id -> bytes
+        self._cached_bytes = 0
+        self._lock = threading.Lock()
+        self._fetching: dict[bytes, threading.Event] = {}
+        self.fetches = 0
+        self.fetched_bytes = 0
+        self.hits = 0
+
+    def read_into(self, out: memoryview, chunk: Chunk, chunk_off: int) -> None:
+        """Fill out with chunk bytes from chunk_off. May block."""
+        data = self.get(chunk)
+        out[:] = memoryview(data)[chunk_off:chunk_off + len(out)]
+
+    def cached(self, chunk: Chunk) -> bool:
+        with self._lock:
+            return chunk.chunk_id in self._cache or chunk.chunk_id in self._fetching
+
+    def get(self, chunk: Chunk) -> bytes:
+        """The chunk's bytes, verified. May block."""
+        key = chunk.chunk_id
+        while True:
+            with self._lock:
+                data = self._cache.get(key)
+                if data is not None:
+                    self._cache.move_to_end(key)
+                    self.hits += 1
+                    return data
+                waiting = self._fetching.get(key)
+                if waiting is None:
+                    self._fetching[key] = threading.Event()
+                    break
+            waiting.wait()          # another thread is fetching it: use its result
+        try:
+            data = self._fetch(chunk)
+        finally:
+            with self._lock:
+                self._fetching.pop(key).set()
+        with self._lock:
+            if key not in self._cache and len(data) <= self.cache_limit:
+                self._cache[key] = data
+                self._cached_bytes += len(data)
+                while self._cached_bytes > self.cache_limit:
+                    _, old = self._cache.popitem(last=False)
+                    self._cached_bytes -= len(old)
+        return data
+
+    def _fetch(self, chunk: Chunk) -> bytes:
+        entry = packs.PackEntry(chunk.chunk_id, chunk.pack_off, chunk.stored_length,
+                                chunk.length, chunk.codec, chunk.codec_param, chunk.payload_crc)
+        name = packs.pack_name(chunk.pack_no)
+        try:
+            payload = packs.read_payload(self.backend, name, entry)
+            data = codec.decode_chunk(chunk.codec, chunk.codec_param, payload, chunk.length)
+        except CkptfsError as e:
+            raise DamagedData(f"cold chunk {chunk.chunk_no} in {name}: {e}") from e
+        if chunk_id(data) != chunk.chunk_id:
+            raise DamagedData(f"cold chunk {chunk.chunk_no} in {name}: bytes do not match "
+                              "the chunk id")
+        self.fetches += 1
+        self.fetched_bytes += chunk.stored_length
+        return data
+
+
+# ------------------------------------------------------------------- moving
+
+@dataclass
+class Progress:
+    total_bytes: int = 0
+    done_bytes: int = 0
+    finished: bool = False
+    error: Optional[str] = None
+
+
+class Tierer:
+    """The background mover, its policy, backpressure for writers, prefetch."""
+
+    def __init__(self, fs, backend: Backend, policy: TierPolicy, fs_uuid: bytes) -> None:
+        self.fs = fs
+        self.index = fs.index
+        self.files = fs.files
+        self.log = fs.log
+        self.backend = backend
+        self.policy = policy
+        self.fs_uuid = fs_uuid
+        self.cold = ColdStore(backend, policy.cache_bytes)
+        self.limiter = trio.CapacityLimiter(1)          # one pack at a time
+        self.prefetch_limiter = trio.CapacityLimiter(2)
+        self._wake = trio.Event()
+        self._moved = trio.Event()        # set after every round: writers re-check room
+        self._urgent = False
+        self._running = False
+        self._nursery: Optional[trio.Nursery] = None
+        self.state = "idle"
+        self.last_error: Optional[str] = None
+        self.retry_at = 0.0
+        self._backoff_s = 0.0
+        self.backlog_bytes = 0
+        self.moved_chunks = 0
+        self.moved_bytes = 0
+        self.packs_written = 0
+        self.rounds = 0
+        self.progress: Optional[Progress] = None
+        self.longest_wait_s = 0.0
+
+    # ------------------------------------------------------------- the task
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The mover, until `stop`."""
+        self._stopped = trio.Event()
+        try:
+            with trio.CancelScope() as self._scope:
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    task_status.started()
+                    await self._loop()
+        finally:
+            self._nursery = None
+            self._stopped.set()
+
+    async def stop(self) -> None:
+        """Cancel the mover and wait until it is gone (a pack in flight is
+        finished but never referenced: a dead pack gc removes)."""
+        self._scope.cancel()
+        await self._stopped.wait()
+
+    async def _loop(self) -> None:
+        while True:
+            with trio.move_on_after(self.policy.interval_s):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            if time.monotonic() < self.retry_at and not self._urgent:
+                continue
+            try:
+                await self.tier_once()
+                self.collect_garbage()
+            except (CkptfsError, OSError) as e:
+                self._failed(e)
+
+    def start_now(self, everything: bool) -> dict:
+        """`ckptfs tier --now`: a pass in the background; `progress` follows it."""
+        if self._nursery is None:
+            raise CkptfsError("the mover is not running")
+        if self.progress is not None and not self.progress.finished:
+            return {"started": False, "running": True}
+        self.progress = Progress()
+        self._nursery.start_soon(self._run_now, everything)
+        return {"started": True}
+
+    async def _run_now(self, everything: bool) -> None:
+        progress = self.progress
+        try:
+            while self._running:                 # the background pass finishes first
+                await self._moved.wait()
+            await self.tier_once(everything=everything, progress=progress)
+            self.collect_garbage()
+            await self.index.wait_durable(self.index.current_seq())
+        except (CkptfsError, OSError) as e:
+            self._failed(e)
+            progress.error = str(e)
+        finally:
+            progress.finished = True
+
+    def wake(self, urgent: bool = False) -> None:
+        self._urgent = self._urgent or urgent
+        self._wake.set()
+
+    def _failed(self, e: BaseException) -> None:
+        self._backoff_s = min(max(self._backoff_s * 2, 1.0), 60.0)
+        self.retry_at = time.monotonic() + self._backoff_s
+        message = f"{e}"
+        if message != self.last_error:
+            log.warning("tiering failed, retrying in %.0f s: %s", self._backoff_s, message)
+        self.last_error = message
+        self.state = "retrying"
+        self._moved.set()
+        self._moved = trio.Event()
+
+    # ------------------------------------------------------------- the plan
+
+    def log_use(self) -> float:
+        return 1.0 - self.log.free_bytes / self.log.capacity_bytes
+
+    def versions(self) -> tuple[list[Version], dict[int, list[bytes]]]:
+        """Every version, newest first, and the paths of every file."""
+        names: dict[int, tuple[int, bytes]] = {}
+        paths: dict[int, list[bytes]] = {}
+        by_parent: dict[int, list[Inode]] = {}
+        for k, v in self.index.items("dirents", ix.u64(0), ix.u64((1 << 64) - 1)):
+            parent, name = ix.read_u64(k[:8]), k[8:]
+            ino = ix.dirent_decode(v)[0]
+            names[ino] = (parent, name)
+            inode = ix.get_inode(self.index, ino)
+            if inode is not None and stat.S_ISREG(inode.mode):
+                if ino not in paths:
+                    by_parent.setdefault(parent, []).append(inode)
+                paths.setdefault(ino, []).append(self._path(names, parent, name))
+        versions: list[Version] = []
+        gap_ns = int(self.policy.version_gap_s * 1e9)
+        for parent, inodes in by_parent.items():
+            inodes.sort(key=lambda i: i.mtime_ns)
+            current: Optional[Version] = None
+            for inode in inodes:
+                alone = parent == ix.ROOT_INO
+                if current is None or alone or inode.mtime_ns - current.newest_ns > gap_ns:
+                    current = Version(parent, inode.mtime_ns)
+                    versions.append(current)
+                current.files.append(inode)
+                current.newest_ns = inode.mtime_ns
+        versions.sort(key=lambda v: v.newest_ns, reverse=True)
+        return versions, paths
+
+    @staticmethod
+    def _path(names: dict[int, tuple[int, bytes]], parent: int, name: bytes) -> bytes:
+        parts = [name]
+        seen = 0
+        while parent != ix.ROOT_INO and parent in names and seen < 4096:
+            parent, up = names[parent]
+            parts.append(up)
+            seen += 1
+        return b"/".join(reversed(parts))
+
+    def plan(self, everything: bool = False) -> tuple[list[Chunk], list[Version], dict]:
+        """Cold chunks still in the log, oldest versions' first."""
+        versions, paths = self.versions()
+        open_inos = set(self.fs.open_count) | set(self.files.dirty)
+        hot = [] if everything else versions[:self.policy.hot_versions]
+        cold = [] if everything else versions[self.policy.hot_versions:]
+        if everything:
+            cold = versions
+        # Over the high watermark: hot versions go too, oldest first.
+        if not everything and self.log_use() > self.policy.high_watermark:
+            excess = (self.log_use() - self.policy.low_watermark) * self.log.capacity_bytes
+            excess -= sum(v.data_bytes for v in cold)
+            while hot and excess > 0:
+                v = hot.pop()
+                cold.append(v)
+                excess -= v.data_bytes
+        keep: set[int] = set(self.files.pinned)
+        for v in hot:
+            for inode in v.files:
+                keep.update(e.chunk_no for e in ix.iter_extents(self.index, inode.ino))
+        for ino in open_inos:
+            keep.update(e.chunk_no for e in ix.iter_extents(self.index, ino))
+        chosen: dict[int, Chunk] = {}
+        for v in reversed(cold):                       # oldest first
+            for inode in v.files:
+                if inode.ino in open_inos:
+                    continue
+                for e in ix.iter_extents(self.index, inode.ino):
+                    if e.chunk_no in keep or e.chunk_no in chosen:
+                        continue
+                    chunk = ix.get_chunk(self.index, e.chunk_no)
+                    if chunk is not None and chunk.kind == CHUNK_LOG:
+                        chosen[e.chunk_no] = chunk
+        return list(chosen.values()), cold, paths
+
+    # ------------------------------------------------------------- a round
+
+    async def tier_once(self, everything: bool = False,
+                        progress: Optional[Progress] = None) -> int:
+        """Move what the plan says is cold; return the logical bytes moved."""
+        if self._running:
+            return 0
+        self._running = True
+        self.state = "moving"
+        try:
+            self._urgent = False
+            chunks, cold, paths = self.plan(everything)
+            self.backlog_bytes = sum(c.length for c in chunks)
+            if progress is not None:
+                progress.total_bytes += self.backlog_bytes
+            moved = 0
+            for batch in self._batches(chunks):
+                moved += await self._move_batch(batch)
+                self.backlog_bytes -= sum(c.length for c in batch)
+                if progress is not None:
+                    progress.done_bytes += sum(c.length for c in batch)
+                self._moved.set()
+                self._moved = trio.Event()
+            await self._write_manifests(cold, paths)
+            self.rounds += 1
+            self.last_error = None
+            self._backoff_s = 0.0
+            self.retry_at = 0.0
+            return moved
+        finally:
+            self._running = False
+            self.state = "idle" if self.last_error is None else "retrying"
+            self._moved.set()
+            self._moved = trio.Event()
+
+    def _batches(self, chunks: list[Chunk]) -> Iterator[list[Chunk]]:
+        batch: list[Chunk] = []
+        size = 0
+        for chunk in chunks:
+            batch.append(chunk)
+            size += chunk.length
+            if size >= self.policy.pack_bytes:
+                yield batch
+                batch, size = [], 0
+        if batch:
+            yield batch
+
+    async def _move_batch(self, batch: list[Chunk]) -> int:
+        pack_no = self.index.allocate_id(b"next_pack")
+        epoch = self.files.begin_read()      # the log bytes we read stay put meanwhile
+        try:
+            written = await trio.to_thread.run_sync(self._write_pack_blocking, pack_no, batch,
+                                                    limiter=self.limiter)
+        finally:
+            self.files.end_read(epoch)
+        entries, size = written
+        self.packs_written += 1
+        return self._flip(pack_no, size, batch, entries)
+
+    def _write_pack_blocking(self, pack_no: int, batch: list[Chunk]
+                             ) -> tuple[list[Optional[packs.PackEntry]], int]:
+        """Read, compress and pack the chunks; commit the pack. May block."""
+        writer = packs.PackWriter.create(self.backend, packs.pack_name(pack_no))
+        out: list[Optional[packs.PackEntry]] = []
+        by_id: dict[bytes, packs.PackEntry] = {}
+        try:
+            for chunk in batch:
+                buf = memoryview(bytearray(chunk.length))
+                try:
+                    self.log.read_into(buf, chunk.log_off, chunk.length, chunk.crcs, 0)
+                except DamagedData as e:
+                    log.error("not tiering chunk %d: %s", chunk.chunk_no, e)
+                    out.append(None)
+                    continue
+                cid = chunk.chunk_id or chunk_id(buf)
+                if cid not in by_id:        # twins stored without dedup share one copy
+                    enc = codec.encode_chunk(buf)
+                    by_id[cid] = writer.add(cid, enc.codec, enc.param, enc.payload,
+                                            chunk.length)
+                out.append(by_id[cid])
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        return out, writer.bytes_written
+
+    def _flip(self, pack_no: int, size: int, batch: list[Chunk],
+              entries: list[Optional[packs.PackEntry]]) -> int:
+        """Point every chunk that is still where we read it at its pack copy."""
+        ix.put_pack(self.index, ix.PackInfo(pack_no, 0, 0, size))
+        moved = 0
+        for old, entry in zip(batch, entries):
+            if entry is None:
+                continue
+            cur = ix.get_chunk(self.index, old.chunk_no)
+            if cur is None or cur.kind != CHUNK_LOG or cur.log_off != old.log_off:
+                continue            # gone or changed meanwhile: its pack copy is dead
+            new = Chunk(cur.chunk_no, CHUNK_PACK, cur.refcount, cur.length, pack_no=pack_no,
+                        pack_off=entry.offset, stored_length=entry.stored_length,
+                        codec=entry.codec, codec_param=entry.param, payload_crc=entry.crc,
+                        chunk_id=entry.chunk_id)
+            ix.move_chunk(self.index, cur, new)
+            if not cur.chunk_id and self.index.get("chunkids", entry.chunk_id) is None:
+                self.index.put("chunkids", entry.chunk_id, ix.u64(cur.chunk_no))
+            self.files.release_after_durable(cur.log_off, cur.length)
+            moved += cur.length
+            self.moved_chunks += 1
+        self.moved_bytes += moved
+        return moved
+
+    # ------------------------------------------------------------ manifests
+
+    async def _write_manifests(self, cold: list[Version], paths: dict) -> None:
+        """Describe every wholly cold file in the backing store (for `recover`)."""
+        wanted: dict[str, bytes] = {}
+        for v in cold:
+            for inode in v.files:
+                doc = self._manifest(inode, paths.get(inode.ino, []))
+                if doc is not None:
+                    wanted[manifest_name(self.fs_uuid, inode)] = doc
+        if not wanted:
+            return
+        await trio.to_thread.run_sync(self._put_manifests_blocking, wanted,
+                                      limiter=self.limiter)
+
+    def _manifest(self, inode: Inode, names: list[bytes]) -> Optional[bytes]:
+        extents = []
+        for e in ix.iter_extents(self.index, inode.ino):
+            chunk = ix.get_chunk(self.index, e.chunk_no)
+            if chunk is None or chunk.kind != CHUNK_PACK:
+                return None         # not wholly cold (yet)
+            extents.append([e.file_off, e.length, chunk.chunk_id.hex(), e.chunk_off])
+        lo, hi = ix.prefix_range(inode.ino)
+        xattrs = {k[8:].hex(): v.hex() for k, v in self.index.items("xattrs", lo, hi)}
+        return json.dumps({
+            "format": 1, "fs_uuid": self.fs_uuid.hex(), "ino": inode.ino,
+            "paths": [p.decode("utf-8", "surrogateescape") for p in names],
+            "mode": inode.mode, "uid": inode.uid, "gid": inode.gid, "size": inode.size,
+            "atime_ns": inode.atime_ns, "mtime_ns": inode.mtime_ns, "ctime_ns": inode.ctime_ns,
+            "xattrs": xattrs, "extents": extents,
+        }, separators=(",", ":")).encode()
+
+    def _put_manifests_blocking(self, wanted: dict[str, bytes]) -> None:
+        existing = set(self.backend.list(f"{MANIFEST_DIR}/{self.fs_uuid.hex()}/"))
+        for name, doc in wanted.items():
+            if name in existing:
+                continue
+            with self.backend.writer(name) as w:
+                w.write(doc)
+                w.commit()
+        # Manifests of versions that changed since: the newest one per inode wins.
+        current = {name.rsplit("-", 1)[0]: name for name in wanted}
+        for name in existing:
+            newer = current.get(name.rsplit("-", 1)[0])
+            if newer is not None and newer != name:
+                self.backend.delete(name)
+
+    # --------------------------------------------------------------- cleanup
+
+    def collect_garbage(self) -> None:
+        """Packs whose every chunk is gone are deleted (once that is durable)."""
+        zombie_packs = {z.pack_no for z in self.files.zombies.values() if z.kind == CHUNK_PACK}
+        for k, v in list(self.index.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))):
+            pack = ix.get_pack(self.index, ix.read_u64(k))
+            if pack.live_chunks == 0 and pack.pack_no not in zombie_packs:
+                ix.delete_pack(self.index, pack.pack_no)
+                name = packs.pack_name(pack.pack_no)
+                self.index.after_durable(lambda name=name: self._delete_later(name))
+
+    def _delete_later(self, name: str) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(self._delete_blob, name)
+
+    async def _delete_blob(self, name: str) -> None:
+        try:
+            await trio.to_thread.run_sync(self.backend.delete, name, limiter=self.limiter)
+        except (CkptfsError, OSError) as e:
+            log.warning("could not delete dead pack %s: %s (gc will retry)", name, e)
+
+    # ---------------------------------------------------------- backpressure
+
+    async def make_room(self, nbytes: int, timeout_s: float = 600.0) -> None:
+        """Wait while tiering frees log space for a writer; NoSpace if it cannot."""
+        started = time.monotonic()
+        try:
+            with trio.move_on_after(timeout_s):
+                while self.log.free_bytes < nbytes + (1 << 20):
+                    before = self.log.free_bytes
+                    moved_event = self._moved
+                    self.wake(urgent=True)
+                    if not self._running:
+                        chunks, _, _ = self.plan(everything=True)
+                        if not chunks:
+                            raise NoSpace(f"log full ({self.log.free_bytes} bytes free) and "
+                                          "nothing committed is left to move out")
+                    await moved_event.wait()
+                    # Freed space comes back once the flip is durable.
+                    await self.index.wait_durable(self.index.current_seq())
+                    if self.last_error and self.log.free_bytes <= before:
+                        raise NoSpace(f"log full and tiering fails: {self.last_error}")
+                return
+            raise NoSpace(f"log full: tiering freed too little in {timeout_s:.0f} s")
+        finally:
+            self.longest_wait_s = max(self.longest_wait_s, time.monotonic() - started)
+
+    # -------------------------------------------------------------- prefetch
+
+    def prefetch(self, chunks: list[Chunk]) -> None:
+        """Fetch these cold chunks into the cache in the background."""
+        if self._nursery is None:
+            return
+        for chunk in chunks:
+            if not self.cold.cached(chunk):
+                self._nursery.start_soon(self._prefetch_one, chunk)
+
+    async def _prefetch_one(self, chunk: Chunk) -> None:
+        try:
+            await trio.to_thread.run_sync(self.cold.get, chunk, limiter=self.prefetch_limiter)
+        except CkptfsError:
+            pass            # the read that needs it reports the error
+
+    # ----------------------------------------------------------------- stats
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "tier_state": self.state,
+            "tier_backlog_bytes": self.backlog_bytes,
+            "tier_moved_bytes": self.moved_bytes,
+            "tier_packs_written": self.packs_written,
+            "tier_last_error": self.last_error,
+            "tier_longest_writer_wait_s": round(self.longest_wait_s, 3),
+            "cold_cache_hits": self.cold.hits,
+            "cold_fetches": self.cold.fetches,
+            "backing": self.backend.url,
+        }
+
+
+def manifest_name(fs_uuid: bytes, inode: Inode) -> str:
+    return f"{MANIFEST_DIR}/{fs_uuid.hex()}/{inode.ino}-{inode.mtime_ns}.json"
+

@@ -1,0 +1,211 @@
+"""Tiering through the real mount: cold versions move, compressed, to the
+backing store; every file stays readable at its path (verified against the
+bytes written); writers wait instead of failing when the log is full; faults
+of the backing store never cost hot data or give wrong bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_ckptfs
+from posix_helpers import check_clean, pattern, read_file, write_file
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+def floats(n_bytes: int, seed: int) -> bytes:
+    """Checkpoint-like bytes: float32 weights (compressible exponents)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return rng.normal(0, 0.02, n_bytes // 4).astype(np.float32).tobytes()
+
+
+def write_version(top: Path, step: int, size: int = 4 * MiB) -> dict[str, bytes]:
+    d = top / f"step_{step}"
+    d.mkdir()
+    files = {f"step_{step}/model.bin": floats(size, step),
+             f"step_{step}/optim.bin": floats(size // 2, 1000 + step),
+             f"step_{step}/meta.json": json.dumps({"step": step}).encode()}
+    for rel, data in files.items():
+        write_file(top / rel, data)
+    return files
+
+
+def verify(top: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        assert read_file(top / rel) == data, f"{rel} differs"
+
+
+def tier_now(m, *extra: str) -> subprocess.CompletedProcess:
+    return run_ckptfs("tier", str(m.path), "--now", *extra, timeout=600)
+
+
+def test_cold_versions_move_out_and_read_back(make_mount, fsck_clean):
+    m = make_mount(options=["pmem_size=256M", "hot_versions=1"])
+    files: dict[str, bytes] = {}
+    for step in range(1, 5):
+        files.update(write_version(m.path, step))
+        time.sleep(0.01)
+    before = m.stat()
+    tier_now(m)
+    st = m.stat()
+    assert st["cold_bytes"] > 0
+    assert st["cold_logical_bytes"] >= 3 * 6 * MiB       # three cold versions' data
+    assert st["cold_bytes"] < st["cold_logical_bytes"], "nothing compressed"
+    assert st["hot_bytes"] < before["hot_bytes"] - 12 * MiB
+    assert st["logical_bytes"] == before["logical_bytes"]
+    verify(m.path, files)
+    m.remount()                       # empty read cache: every cold byte from the packs
+    verify(m.path, files)
+    m.umount()                        # the store is below the mount (SOURCE/.ckptfs/store)
+    manifests = list((m.source / ".ckptfs" / "store" / "manifests").rglob("*.json"))
+    assert len(manifests) >= 9, "every wholly cold file has a manifest"
+    doc = json.loads(manifests[0].read_text())
+    assert doc["paths"] and doc["extents"]
+    check_clean(fsck_clean, m)
+
+
+def test_tier_all_moves_the_newest_too(make_mount, fsck_clean):
+    m = make_mount(options=["pmem_size=128M"])
+    files = write_version(m.path, 1)
+    tier_now(m, "--all")
+    st = m.stat()
+    assert st["cold_logical_bytes"] >= 6 * MiB
+    verify(m.path, files)
+    check_clean(fsck_clean, m)
+
+
+def test_writers_wait_for_tiering_instead_of_failing(make_mount, fsck_clean):
+    """Four times the log's size of checkpoints through a 64 MiB log."""
+    m = make_mount(options=["pmem_size=64M", "hot_versions=1"])
+    files: dict[str, bytes] = {}
+    for step in range(1, 15):
+        files.update(write_version(m.path, step, size=14 * MiB))
+    st = m.stat()
+    assert st["logical_bytes"] > 4 * 64 * MiB
+    assert st["cold_bytes"] > 0
+    m.remount()
+    verify(m.path, files)
+    check_clean(fsck_clean, m)
+
+
+def test_cold_chunks_are_dedup_targets(make_mount, fsck_clean):
+    m = make_mount(options=["pmem_size=128M", "hot_versions=0"])
+    data = floats(8 * MiB, 7)
+    write_file(m.path / "a.bin", data)
+    tier_now(m)
+    cold = m.stat()["cold_bytes"]
+    write_file(m.path / "b.bin", data)        # the same bytes again: nothing new stored
+    st = m.stat()
+    assert st["stored_bytes"] <= cold + 256 * KiB
+    m.remount()
+    assert read_file(m.path / "b.bin") == data
+    check_clean(fsck_clean, m)
+
+
+def test_vanished_backing_store_keeps_hot_data_and_gives_eio_for_cold(make_mount, tmp_path,
+                                                                     fsck_clean):
+    store = tmp_path / "store"
+    m = make_mount(options=["pmem_size=128M", "hot_versions=0", f"backing={store}"])
+    cold = floats(4 * MiB, 1)
+    write_file(m.path / "cold.bin", cold)
+    tier_now(m)
+    m.umount()
+    moved = tmp_path / "store.away"
+    store.rename(moved)
+    m.start()                                  # mounts anyway: hot data needs no store
+    hot = pattern(3 * MiB, 2)
+    write_file(m.path / "hot.bin", hot)
+    assert read_file(m.path / "hot.bin") == hot
+    with pytest.raises(OSError) as err:
+        read_file(m.path / "cold.bin")
+    assert err.value.errno == 5
+    res = run_ckptfs("tier", str(m.path), "--now", check=False)
+    assert res.returncode == 1 and "tiering failed" in res.stderr
+    assert m.stat()["tier_last_error"]
+    assert not store.exists(), "a vanished store must not be recreated empty"
+    m.umount()
+    moved.rename(store)
+    m.start()
+    assert read_file(m.path / "cold.bin") == cold
+    assert read_file(m.path / "hot.bin") == hot
+    check_clean(fsck_clean, m)
+
+
+def test_damaged_pack_gives_eio_and_an_fsck_finding(make_mount):
+    m = make_mount(options=["pmem_size=128M", "hot_versions=0"])
+    data = floats(4 * MiB, 3)
+    other = floats(2 * MiB, 4)
+    write_file(m.path / "d.bin", data)
+    tier_now(m)
+    write_file(m.path / "other.bin", other)      # hot, untouched by the damage
+    m.umount()
+    pack = next((m.source / ".ckptfs" / "store" / "packs").rglob("*.pack"))
+    with open(pack, "r+b") as f:
+        f.seek(4096)
+        b = f.read(1)
+        f.seek(4096)
+        f.write(bytes([b[0] ^ 0x55]))
+    res = m.fsck()
+    assert res.returncode == 4, res.stdout + res.stderr
+    assert "[data]" in res.stdout
+    m.start()
+    with pytest.raises(OSError) as err:
+        read_file(m.path / "d.bin")
+    assert err.value.errno == 5
+    assert read_file(m.path / "other.bin") == other
+    m.umount()
+
+
+def test_sigkill_during_tiering_loses_nothing(make_mount, fsck_clean):
+    m = make_mount(options=["pmem_size=512M", "hot_versions=0"])
+    files: dict[str, bytes] = {}
+    for step in range(1, 6):
+        files.update(write_version(m.path, step, size=12 * MiB))
+    proc = subprocess.Popen([sys.executable, "-m", "ckptfs.cli", "tier", str(m.path), "--now"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=Path(__file__).resolve().parent.parent)
+    time.sleep(0.8)
+    m.kill()
+    proc.wait(timeout=60)
+    m.start()
+    verify(m.path, files)
+    tier_now(m)                                 # finish the job after the crash
+    m.remount()
+    verify(m.path, files)
+    check_clean(fsck_clean, m)
+
+
+def test_recover_rebuilds_every_tiered_file_from_the_store_alone(make_mount, fsck_clean):
+    m = make_mount(options=["pmem_size=128M"])
+    files: dict[str, bytes] = {}
+    for step in range(1, 4):
+        files.update(write_version(m.path, step, size=2 * MiB))
+    os.link(m.path / "step_1/model.bin", m.path / "step_1/model-link.bin")
+    files["step_1/model-link.bin"] = files["step_1/model.bin"]
+    os.setxattr(m.path / "step_2/meta.json", "user.step", b"2")
+    tier_now(m, "--all")
+    m.umount()
+    state = m.source / ".ckptfs"
+    shutil.rmtree(state / "index")               # the index and the log are lost
+    os.unlink(state / "pmem.log")
+    res = run_ckptfs("recover", str(m.source))
+    assert "recovered 9 files" in res.stdout, res.stdout     # 9 inodes, 10 names
+    m.start()
+    verify(m.path, files)
+    assert os.stat(m.path / "step_1/model.bin").st_nlink == 2
+    assert os.getxattr(m.path / "step_2/meta.json", "user.step") == b"2"
+    check_clean(fsck_clean, m)
+    res = run_ckptfs("recover", str(m.source), check=False)
+    assert res.returncode == 2 and "holds an index" in res.stderr
