@@ -125,6 +125,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = sub.add_parser("sync", help="make everything written so far durable")
     p.add_argument("mountpoint")
 
+    p = sub.add_parser("export", help="copy files or trees out of a mounted ckptfs as plain files",
+                       description="Copy PATH (a file or a directory tree inside a mounted "
+                                   "ckptfs) to DEST as plain files, like cp -a: modes, owners, "
+                                   "ns times, symlinks, hard links and user xattrs are kept. "
+                                   "If DEST is an existing directory the copy goes into it. "
+                                   "Each file appears under its name only once complete.")
+    p.add_argument("path")
+    p.add_argument("dest")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="show a progress bar (default: when stderr is a terminal)")
+
+    p = sub.add_parser("gc", help="delete dead packs, stale manifests and leftovers in the "
+                                  "backing store",
+                       description="Delete what nothing names any more from the backing "
+                                   "store of a mounted ckptfs: packs whose chunks are all "
+                                   "gone (or that a crash left unnamed), manifests of files "
+                                   "deleted or changed since, temporary files of "
+                                   "interrupted writes. The index is never changed.")
+    p.add_argument("mountpoint")
+
     p = sub.add_parser("recover", help="rebuild a lost index from the backing store alone",
                        description="Rebuild SOURCE/.ckptfs/index from the backing store's "
                                    "packs and file manifests (every file that was tiered). "
@@ -157,6 +177,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                             verify_data=not args.no_data)
         if args.cmd == "sync":
             control.request(args.mountpoint, "sync")
+            return ExitCode.OK
+        if args.cmd == "export":
+            from .export import run_export
+            return run_export(args.path, args.dest, progress=args.progress)
+        if args.cmd == "gc":
+            done = control.request(args.mountpoint, "gc")
+            print(f"deleted {done['dead_packs']} dead packs, {done['stale_manifests']} stale "
+                  f"manifests, {done['temporary_files']} temporary files")
             return ExitCode.OK
         if args.cmd == "recover":
             from .recover import run_recover

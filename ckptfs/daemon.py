@@ -236,11 +236,20 @@ def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
         fs.tierer = Tierer(fs, state.backend, TierPolicy(hot_versions=opts.hot_versions),
                            state.fs_uuid)
         fs.files.cold = fs.tierer.cold
+    metrics = metrics_server = None
+    if opts.metrics_port is not None or opts.metrics_file:
+        from .metrics import MountMetrics
+        metrics = MountMetrics(opts.mountpoint)
+        state.index.on_commit = metrics.commit_latency.observe
     mounted = False
     try:
         # Resolve every path now: once mounted, a stat of the mountpoint from
         # this process would wait for this very loop.
         sock_path = control.socket_path(opts.mountpoint)
+        if opts.metrics_port is not None:
+            from .metrics import MetricsServer
+            # Bound before the mount: a taken port fails the mount with one line.
+            metrics_server = MetricsServer.start(metrics.registry, opts.metrics_port)
         purged = fs.recover()
         if purged:
             log.info("purged %d orphaned inodes", purged)
@@ -249,12 +258,14 @@ def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
         except RuntimeError as e:
             raise UsageError(f"cannot mount on {opts.mountpoint}: {e}") from None
         mounted = True
-        trio.run(_run, fs, opts, ready_fd, sock_path)
+        trio.run(_run, fs, opts, ready_fd, sock_path, metrics)
     except (CkptfsError, OSError) as e:
         log.error("%s", e)
         _report(ready_fd, f"ckptfs: {e}")
         return 1
     finally:
+        if metrics_server is not None:
+            metrics_server.stop()
         if mounted:
             pyfuse3.close(unmount=True)
         state.close()
@@ -263,7 +274,7 @@ def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
 
 
 async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
-               sock_path: str) -> None:
+               sock_path: str, metrics=None) -> None:
     async with trio.open_nursery() as outer:
         outer.start_soon(fs.run_committer)
         async with trio.open_nursery() as inner:
@@ -272,6 +283,12 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
             inner.start_soon(trio.to_thread.run_sync, _raise_read_ahead, opts.mountpoint)
             if fs.tierer is not None:
                 await inner.start(fs.tierer.run)
+            if metrics is not None:
+                from . import metrics as prom
+                await inner.start(prom.refresh_periodically, metrics.snapshot, fs.stats)
+                if opts.metrics_file:
+                    inner.start_soon(prom.write_textfile_periodically, opts.metrics_file,
+                                     metrics.registry)
             inner.start_soon(_report_ready, ready_fd, opts)
             try:
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
@@ -312,7 +329,13 @@ def _control_handlers(fs: Filesystem) -> dict:
             raise UsageError("no tiering pass was started")
         return dataclasses.asdict(fs.tierer.progress)
 
-    return {"stat": stat, "sync": sync, "ping": ping, "tier": tier, "tier_status": tier_status}
+    async def gc(_: dict) -> dict:
+        if fs.tierer is None:
+            return {"dead_packs": 0, "stale_manifests": 0, "temporary_files": 0}
+        return await fs.tierer.gc()
+
+    return {"stat": stat, "sync": sync, "ping": ping, "tier": tier, "tier_status": tier_status,
+            "gc": gc}
 
 
 async def _watch_signals() -> None:

@@ -36,6 +36,7 @@ which do the byte work and belong on a worker thread when large.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import os
 import threading
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 1 << 62
 CHUNK_STAGED = 0                 # in memory only: never in the index
+ZERO_CHUNK = 0                   # chunk no of an all-zero chunk: stored nowhere, a hole
 ARENA_BYTES = 64 << 20           # log space a write stream reserves at a time
 CUT_READ_BYTES = 4 << 20         # commit-time cutting reads staged bytes this much at a time
 
@@ -111,6 +113,7 @@ class ChunkInfo:
     log_off: int
     chunk_id: bytes
     crcs: bytes
+    zero: bool = False          # every byte is zero: becomes a hole
 
 
 @dataclass(eq=False)
@@ -254,6 +257,12 @@ class SourceFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+@functools.lru_cache(maxsize=1024)
+def _zero_id(length: int) -> bytes:
+    """The id of `length` zero bytes (zero runs give chunks of few lengths)."""
+    return chunk_id(bytes(length))
 
 
 class FileData:
@@ -477,8 +486,10 @@ class FileData:
         if data is None:
             data = memoryview(bytearray(length))
             self.log.read_unverified_into(data, log_off)
-        return ChunkInfo(staged_no, file_off, length, log_off, chunk_id(data),
-                         self.log.crcs_of(data))
+        cid = chunk_id(data)
+        if data[0] == 0 and data[-1] == 0 and cid == _zero_id(length):
+            return ChunkInfo(staged_no, file_off, length, log_off, b"", b"", zero=True)
+        return ChunkInfo(staged_no, file_off, length, log_off, cid, self.log.crcs_of(data))
 
     def cut_blocking(self, ranges: list[tuple[int, int, int, int]]) -> list[ChunkInfo]:
         """Cut staged ranges (staged no, file offset, length, log offset) into named
@@ -518,9 +529,12 @@ class FileData:
             if not covering or not staged.take(info.log_off, info.length):
                 continue                     # overwritten meanwhile: retires with the record
             # A chunk with these bytes already stored (committed, or new in this file)?
-            target = df.pending_ids.get(info.chunk_id)
-            if target is None:
-                target = ix.find_chunk_no(self.index, info.chunk_id)
+            if info.zero:
+                target = ZERO_CHUNK          # zeros: a hole, stored nowhere
+            else:
+                target = df.pending_ids.get(info.chunk_id)
+                if target is None:
+                    target = ix.find_chunk_no(self.index, info.chunk_id)
             if target is None:
                 chunk = Chunk(self.index.allocate_id(b"next_chunk"), CHUNK_LOG, 0, info.length,
                               log_off=info.log_off, crcs=info.crcs, chunk_id=info.chunk_id)
@@ -594,6 +608,8 @@ class FileData:
         self._add_dirty_ref(df, e.chunk_no)
 
     def _add_dirty_ref(self, df: DirtyFile, chunk_no: int) -> None:
+        if chunk_no == ZERO_CHUNK:
+            return
         if not df.new_chunk_refs[chunk_no] and chunk_no > 0 and chunk_no not in df.new_chunks:
             self.pinned[chunk_no] += 1        # a stored chunk: keep its bytes for us
         df.new_chunk_refs[chunk_no] += 1
@@ -619,6 +635,8 @@ class FileData:
             i += len(keep)
 
     def _drop_dirty_ref(self, df: DirtyFile, chunk_no: int, delta: int) -> None:
+        if chunk_no == ZERO_CHUNK:
+            return
         df.new_chunk_refs[chunk_no] += delta
         if df.new_chunk_refs[chunk_no] > 0:
             return
@@ -733,10 +751,12 @@ class FileData:
                 if a > pos:
                     self._committed_pieces(ino, pos, min(a, committed_end), off, pieces)
                 b = min(e.end, end)
+                pos = b
+                if e.chunk_no == ZERO_CHUNK:
+                    continue            # zeros: the buffer has them already
                 chunk = df.new_chunks.get(e.chunk_no) or df.staged.get(e.chunk_no) \
                     or self._chunk(e.chunk_no)
                 pieces.append(ReadPiece(a - off, b - a, chunk, e.chunk_off + (a - e.file_off)))
-                pos = b
         if pos < committed_end:
             self._committed_pieces(ino, pos, committed_end, off, pieces)
         return end - off, pieces
@@ -793,7 +813,8 @@ class FileData:
         for i, e in enumerate(df.extents):
             if e.chunk_no in twins:
                 e = df.extents[i] = Extent(e.file_off, e.length, twins[e.chunk_no], e.chunk_off)
-            refs[e.chunk_no] += 1
+            if e.chunk_no != ZERO_CHUNK:
+                refs[e.chunk_no] += 1
         # References to stored chunks first: a file rewritten with bytes it
         # already had never takes those chunks to zero on the way.
         for chunk_no, n in refs.items():
@@ -806,6 +827,8 @@ class FileData:
         for e in df.extents:
             if overwrites:
                 inode.data_bytes -= self._punch(df.ino, e.file_off, e.end)
+            if e.chunk_no == ZERO_CHUNK:
+                continue                # a hole reads as the zeros written
             self.index.put("extents", ix.extent_key(df.ino, e.file_off), ix.extent_encode(e))
             inode.data_bytes += e.length
         for chunk_no, n in refs.items():

@@ -266,6 +266,7 @@ class Index:
         self._urgent = trio.Event()
         self.commits = 0
         self.commit_seconds_total = 0.0
+        self.on_commit: Optional[Callable[[float], None]] = None   # metrics: seconds per batch
         self.counters: dict[bytes, int] = {}
         self._load_counters()
 
@@ -515,8 +516,11 @@ class Index:
             self._renew_read_txn()
             self._committing = None
             self.durable_seq = batch.seq
+            elapsed = time.monotonic() - started
             self.commits += 1
-            self.commit_seconds_total += time.monotonic() - started
+            self.commit_seconds_total += elapsed
+            if self.on_commit is not None:
+                self.on_commit(elapsed)
             for fn in batch.after_durable:
                 fn()
             self._durable_changed.set()

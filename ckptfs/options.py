@@ -38,6 +38,10 @@ OPTIONS: dict[str, tuple[bool, str]] = {
                            "move to the backing store"),
     "tiering": (True, "on (default): move cold versions to the backing store in the "
                       "background; off: keep everything in the log"),
+    "metrics_port": (True, "serve Prometheus metrics on http://127.0.0.1:PORT/metrics "
+                           "(loopback only)"),
+    "metrics_file": (True, "write Prometheus metrics to PATH every 10 s, atomically (for "
+                           "node_exporter's textfile collector; PATH must be outside the mount)"),
     "allow_other": (False, "let other users access the mount (needs user_allow_other for "
                            "non-root)"),
     "ro": (False, "mount read-only"),
@@ -74,6 +78,8 @@ class MountOptions:
     backing: Optional[str] = None
     hot_versions: int = 2
     tiering: bool = True
+    metrics_port: Optional[int] = None
+    metrics_file: Optional[str] = None
     allow_other: bool = False
     read_only: bool = False
     debug: bool = False
@@ -117,6 +123,10 @@ class MountOptions:
             parts.append(f"backing={self.backing}")
         parts.append(f"hot_versions={self.hot_versions}")
         parts.append(f"tiering={'on' if self.tiering else 'off'}")
+        if self.metrics_port is not None:
+            parts.append(f"metrics_port={self.metrics_port}")
+        if self.metrics_file:
+            parts.append(f"metrics_file={self.metrics_file}")
         for flag, on in (("allow_other", self.allow_other), ("ro", self.read_only),
                          ("debug", self.debug)):
             if on:
@@ -188,6 +198,12 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
         if value not in ("on", "off"):
             raise UsageError(f"tiering must be 'on' or 'off', not {value!r}")
         opts.tiering = value == "on"
+    elif name == "metrics_port":
+        from .metrics import parse_port
+        opts.metrics_port = parse_port(value)
+    elif name == "metrics_file":
+        from .metrics import check_textfile_path
+        opts.metrics_file = check_textfile_path(value, opts.mountpoint)
     elif name == "allow_other":
         opts.allow_other = True
     elif name == "ro":

@@ -179,6 +179,7 @@ class Tierer:
         self._moved = trio.Event()        # set after every round: writers re-check room
         self._urgent = False
         self._running = False
+        self._busy = trio.Lock()          # one pass or gc at a time
         self._nursery: Optional[trio.Nursery] = None
         self.state = "idle"
         self.last_error: Optional[str] = None
@@ -191,6 +192,7 @@ class Tierer:
         self.rounds = 0
         self.progress: Optional[Progress] = None
         self.longest_wait_s = 0.0
+        self._planned_seq = -1
 
     # ------------------------------------------------------------- the task
 
@@ -220,6 +222,9 @@ class Tierer:
             self._wake = trio.Event()
             if time.monotonic() < self.retry_at and not self._urgent:
                 continue
+            if self.index.durable_seq == self._planned_seq and not self._urgent \
+                    and self.last_error is None:
+                continue            # nothing committed since the last plan: nothing new is cold
             try:
                 await self.tier_once()
                 self.collect_garbage()
@@ -239,9 +244,7 @@ class Tierer:
     async def _run_now(self, everything: bool) -> None:
         progress = self.progress
         try:
-            while self._running:                 # the background pass finishes first
-                await self._moved.wait()
-            await self.tier_once(everything=everything, progress=progress)
+            await self.tier_once(everything=everything, progress=progress, wait=True)
             self.collect_garbage()
             await self.index.wait_durable(self.index.current_seq())
         except (CkptfsError, OSError) as e:
@@ -347,37 +350,45 @@ class Tierer:
     # ------------------------------------------------------------- a round
 
     async def tier_once(self, everything: bool = False,
-                        progress: Optional[Progress] = None) -> int:
-        """Move what the plan says is cold; return the logical bytes moved."""
-        if self._running:
+                        progress: Optional[Progress] = None, wait: bool = False) -> int:
+        """Move what the plan says is cold; return the logical bytes moved.
+
+        One pass (or gc) at a time; a background pass finding one running skips.
+        """
+        if self._busy.locked() and not wait:
             return 0
-        self._running = True
-        self.state = "moving"
-        try:
-            self._urgent = False
-            chunks, cold, paths = self.plan(everything)
-            self.backlog_bytes = sum(c.length for c in chunks)
-            if progress is not None:
-                progress.total_bytes += self.backlog_bytes
-            moved = 0
-            for batch in self._batches(chunks):
-                moved += await self._move_batch(batch)
-                self.backlog_bytes -= sum(c.length for c in batch)
-                if progress is not None:
-                    progress.done_bytes += sum(c.length for c in batch)
+        async with self._busy:
+            self._running = True
+            self.state = "moving"
+            try:
+                return await self._pass(everything, progress)
+            finally:
+                self._running = False
+                self.state = "idle" if self.last_error is None else "retrying"
                 self._moved.set()
                 self._moved = trio.Event()
-            await self._write_manifests(cold, paths)
-            self.rounds += 1
-            self.last_error = None
-            self._backoff_s = 0.0
-            self.retry_at = 0.0
-            return moved
-        finally:
-            self._running = False
-            self.state = "idle" if self.last_error is None else "retrying"
+
+    async def _pass(self, everything: bool, progress: Optional[Progress]) -> int:
+        self._urgent = False
+        self._planned_seq = self.index.durable_seq
+        chunks, cold, paths = self.plan(everything)
+        self.backlog_bytes = sum(c.length for c in chunks)
+        if progress is not None:
+            progress.total_bytes += self.backlog_bytes
+        moved = 0
+        for batch in self._batches(chunks):
+            moved += await self._move_batch(batch)
+            self.backlog_bytes -= sum(c.length for c in batch)
+            if progress is not None:
+                progress.done_bytes += sum(c.length for c in batch)
             self._moved.set()
             self._moved = trio.Event()
+        await self._write_manifests(cold, paths)
+        self.rounds += 1
+        self.last_error = None
+        self._backoff_s = 0.0
+        self.retry_at = 0.0
+        return moved
 
     def _batches(self, chunks: list[Chunk]) -> Iterator[list[Chunk]]:
         batch: list[Chunk] = []
@@ -512,6 +523,42 @@ class Tierer:
                 ix.delete_pack(self.index, pack.pack_no)
                 name = packs.pack_name(pack.pack_no)
                 self.index.after_durable(lambda name=name: self._delete_later(name))
+
+    async def gc(self) -> dict[str, int]:
+        """`ckptfs gc`: delete dead packs, leftovers of interrupted pack writes,
+        and manifests of files that no longer exist (or changed since).
+
+        Holds the pass lock throughout: a pack being written and not yet named
+        by the index must not look like a stray."""
+        async with self._busy:
+            dead = sum(1 for k, _ in self.index.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))
+                       if ix.get_pack(self.index, ix.read_u64(k)).live_chunks == 0)
+            self.collect_garbage()
+            await self.index.wait_durable(self.index.current_seq())
+            named = {packs.pack_name(ix.read_u64(k))
+                     for k, _ in self.index.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))}
+            live_manifests = set()
+            for k, raw in self.index.items("inodes", ix.u64(0), ix.u64((1 << 64) - 1)):
+                inode = Inode.decode(ix.read_u64(k), raw)
+                if stat.S_ISREG(inode.mode):
+                    live_manifests.add(manifest_name(self.fs_uuid, inode))
+            return await trio.to_thread.run_sync(self._gc_blocking, named, live_manifests,
+                                                 dead, limiter=self.limiter)
+
+    def _gc_blocking(self, named: set[str], live_manifests: set[str], dead: int
+                     ) -> dict[str, int]:
+        # Packs the index does not name: written but never flipped to (a crash,
+        # or a batch whose chunks all went meanwhile). Only once no move runs.
+        stray = [n for n in self.backend.list(packs.PACK_PREFIX) if n not in named]
+        for name in stray:
+            self.backend.delete(name)
+        manifests = [n for n in self.backend.list(f"{MANIFEST_DIR}/{self.fs_uuid.hex()}/")
+                     if n not in live_manifests]
+        for name in manifests:
+            self.backend.delete(name)
+        temp = self.backend.remove_incomplete(older_than=0)    # no write runs: see gc
+        return {"dead_packs": dead + len(stray), "stale_manifests": len(manifests),
+                "temporary_files": temp}
 
     def _delete_later(self, name: str) -> None:
         if self._nursery is not None:

@@ -209,3 +209,80 @@ def test_recover_rebuilds_every_tiered_file_from_the_store_alone(make_mount, fsc
     check_clean(fsck_clean, m)
     res = run_ckptfs("recover", str(m.source), check=False)
     assert res.returncode == 2 and "holds an index" in res.stderr
+
+
+@pytest.fixture
+def small_store(tmp_path):
+    """A 4 MiB tmpfs as the backing store (root only), unmounted afterwards."""
+    store = tmp_path / "smallstore"
+    store.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(store)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield store
+    finally:
+        subprocess.run(["umount", "-l", str(store)], capture_output=True)
+
+
+def test_full_store_and_full_log_give_enospc_not_a_hang(make_mount, small_store, fsck_clean):
+    m = make_mount(options=["pmem_size=64M", "hot_versions=0", f"backing={small_store}/s"])
+    kept: dict[str, bytes] = {}
+    err = None
+    t0 = time.monotonic()
+    try:
+        for i in range(12):
+            data = pattern(10 * MiB, 100 + i)          # random: nothing compresses
+            write_file(m.path / f"f{i}.bin", data)
+            kept[f"f{i}.bin"] = data
+    except OSError as e:
+        err = e
+    assert err is not None and err.errno == 28, f"expected ENOSPC, got {err!r}"
+    assert time.monotonic() - t0 < 300
+    st = m.stat()
+    assert st["tier_last_error"] and "space" in st["tier_last_error"].lower()
+    verify(m.path, kept)                               # everything committed is intact
+    m.remount()
+    verify(m.path, kept)
+    check_clean(fsck_clean, m)
+
+
+def test_read_only_store_fails_tiering_and_keeps_hot_data(make_mount, small_store, fsck_clean):
+    m = make_mount(options=["pmem_size=128M", "hot_versions=0", f"backing={small_store}/s"])
+    data = floats(1 * MiB, 9)
+    write_file(m.path / "a.bin", data)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_store)], check=True)
+    try:
+        res = run_ckptfs("tier", str(m.path), "--now", check=False)
+        assert res.returncode == 1 and "read-only" in res.stderr.lower(), res.stderr
+        write_file(m.path / "b.bin", data[::-1])
+        assert read_file(m.path / "a.bin") == data
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_store)], check=True)
+    tier_now(m)
+    assert m.stat()["cold_bytes"] > 0
+    m.remount()
+    assert read_file(m.path / "a.bin") == data and read_file(m.path / "b.bin") == data[::-1]
+    check_clean(fsck_clean, m)
+
+
+def test_gc_deletes_dead_packs_and_stale_manifests(make_mount, tmp_path, fsck_clean):
+    store = tmp_path / "gcstore"
+    m = make_mount(options=["pmem_size=128M", f"backing={store}"])
+    first = write_version(m.path, 1, size=2 * MiB)
+    second = write_version(m.path, 2, size=2 * MiB)
+    tier_now(m, "--all")
+    packs_before = sorted((store / "packs").rglob("*.pack"))
+    stray = packs_before[0].with_name("00000000deadbeef.pack")
+    shutil.copy(packs_before[0], stray)                # a pack nothing names
+    shutil.rmtree(m.path / "step_1")                   # its chunks and manifests are dead
+    res = run_ckptfs("gc", str(m.path))
+    assert "stale manifests" in res.stdout
+    assert not stray.exists()
+    manifests = list((store / "manifests").rglob("*.json"))
+    assert len(manifests) == len(second)
+    m.remount()
+    verify(m.path, second)
+    assert not (m.path / "step_1").exists() and first
+    check_clean(fsck_clean, m)
