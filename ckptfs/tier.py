@@ -193,6 +193,7 @@ class Tierer:
         self.progress: Optional[Progress] = None
         self.longest_wait_s = 0.0
         self._planned_seq = -1
+        self._nearly_full = False
 
     # ------------------------------------------------------------- the task
 
@@ -220,6 +221,7 @@ class Tierer:
             with trio.move_on_after(self.policy.interval_s):
                 await self._wake.wait()
             self._wake = trio.Event()
+            self._watch_log_use()
             if time.monotonic() < self.retry_at and not self._urgent:
                 continue
             if self.index.durable_seq == self._planned_seq and not self._urgent \
@@ -252,6 +254,17 @@ class Tierer:
             progress.error = str(e)
         finally:
             progress.finished = True
+
+    def _watch_log_use(self) -> None:
+        """One log line when the log gets nearly full, one when it has room again."""
+        use = self.log_use()
+        if use > 0.9 and not self._nearly_full:
+            self._nearly_full = True
+            log.warning("log nearly full (%.0f%% of %d bytes in use): tiering moves hot "
+                        "versions out; writers wait if it fills", use * 100, self.log.size_bytes)
+        elif use < 0.8 and self._nearly_full:
+            self._nearly_full = False
+            log.info("log has room again (%.0f%% in use)", use * 100)
 
     def wake(self, urgent: bool = False) -> None:
         self._urgent = self._urgent or urgent

@@ -161,6 +161,58 @@ def test_damaged_data_is_reported_not_repaired(written):
     assert (written.path / "d" / "a").read_bytes() == b"a" * 5000
 
 
+def test_missing_chunk_id_entry_is_restored(written):
+    def drop(txn):
+        chunk = first_chunk(txn, lookup(txn, ix.ROOT_INO, b"big")[0])
+        assert chunk.chunk_id
+        txn.delete("chunkids", chunk.chunk_id)
+    plant(written, drop)
+    expect_repair(written, "missing from the id table")
+
+
+def test_id_entry_naming_the_wrong_chunk_is_removed(written):
+    def wrong(txn):
+        txn.put("chunkids", b"\x01" * 32, ix.u64(first_chunk(txn, lookup(
+            txn, ix.ROOT_INO, b"big")[0]).chunk_no))
+    plant(written, wrong)
+    expect_repair(written, "does not hold it")
+
+
+def test_wrong_chunk_totals_are_recounted(written):
+    plant(written, lambda txn: txn.put("meta", b"stored_log_bytes", ix.u64_le(12345)))
+    expect_repair(written, "stored_log_bytes is 12345")
+    written.start()
+    assert written.stat()["stored_bytes"] > 3 << 20
+
+
+def test_chunk_bytes_that_do_not_match_their_id_are_damage(written):
+    def swap(txn):
+        chunk = first_chunk(txn, lookup(txn, ix.ROOT_INO, b"big")[0])
+        txn.delete("chunkids", chunk.chunk_id)
+        chunk.chunk_id = b"\x02" * 32            # CRCs still match: only the id check sees it
+        ix.put_chunk(txn, chunk)
+        txn.put("chunkids", chunk.chunk_id, ix.u64(chunk.chunk_no))
+    plant(written, swap)
+    res = written.fsck()
+    assert res.returncode == LEFT and "do not match the chunk id" in res.stdout, res.stdout
+
+
+def test_wrong_pack_record_is_repaired(make_mount):
+    m = make_mount(options=["pmem_size=64M", "hot_versions=0"])
+    (m.path / "cold").write_bytes(os.urandom(2 << 20))
+    from conftest import run_ckptfs
+    run_ckptfs("tier", str(m.path), "--now", "--all")
+    m.umount()
+
+    def wrong(txn):
+        for k, _ in list(txn.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))):
+            pack = ix.get_pack(txn, ix.read_u64(k))
+            pack.live_chunks += 5
+            ix.put_pack(txn, pack)
+    plant(m, wrong)
+    expect_repair(m, "[packs]")
+
+
 def test_fsck_refuses_a_mounted_filesystem(mounted):
     from conftest import run_ckptfs
     res = run_ckptfs("fsck", str(mounted.source), check=False)
