@@ -219,3 +219,111 @@ def find4(data: Buffer, needle: bytes, start: int = 0, end: int | None = None) -
             return -1
         i = lib.ckptfs_find4(buf + start, stop - start, needle)
     return -1 if i == stop - start else start + i
+
+
+# ---- chunk compression (ckptfs.codec) -------------------------------------------
+
+# Output buffers that C fills completely need no zeroing first.
+_new_uninit = ffi.new_allocator(should_clear_after_alloc=False)
+
+__all__ += [
+    "split_planes",
+    "merge_planes",
+    "float_layout",
+    "fc_encode",
+    "fc_decode",
+    "fc_decode_into",
+    "rans8_encode",
+    "rans8_decode_into",
+]
+
+
+def split_planes(data: Buffer, width: int) -> bytes:
+    """Byte planes of ``data`` taken as ``width``-byte elements: byte i of
+    every element goes to plane i, the planes one after the other, then the
+    ``len(data) % width`` trailing bytes unchanged."""
+    if width < 1:
+        raise ValueError(f"width must be positive, got {width}")
+    with ffi.from_buffer(data) as src:
+        n = len(src)
+        out = _new_uninit("uint8_t[]", max(n, 1))
+        lib.ckptfs_split_planes(src, n, width, out)
+    return ffi.buffer(out, n)[:]
+
+
+def merge_planes(data: Buffer, width: int) -> bytes:
+    """Inverse of :func:`split_planes`."""
+    if width < 1:
+        raise ValueError(f"width must be positive, got {width}")
+    with ffi.from_buffer(data) as src:
+        n = len(src)
+        out = _new_uninit("uint8_t[]", max(n, 1))
+        lib.ckptfs_merge_planes(src, n, width, out)
+    return ffi.buffer(out, n)[:]
+
+
+def float_layout(data: Buffer, width: int = 0) -> tuple[int, int, float]:
+    """``(width, phase, runs)`` of ``data`` seen as little-endian floats.
+
+    ``width=0`` detects: 2 (bf16/fp16), 4 (fp32) or 0 (not float-like).  A
+    ``width`` of 2..16 is taken as given.  ``phase`` is the offset of the
+    first whole element (chunks are cut anywhere, not at element
+    boundaries).  ``runs`` is how many times more often neighbouring
+    elements share their sign/exponent byte than chance (about 1.0 for
+    weights; more for optimizer state, where an LZ coder can pay).
+    """
+    if width < 0 or width == 1 or width > 16:
+        raise ValueError(f"width must be 0 or 2..16, got {width}")
+    out = ffi.new("unsigned[2]")
+    with ffi.from_buffer(data) as src:
+        w = lib.ckptfs_float_layout(src, len(src), width, out, out + 1)
+    return int(w), int(out[0]), out[1] / 1000
+
+
+def fc_encode(data: Buffer, width: int, phase: int, max_bits: int, cap: int) -> bytes | None:
+    """CODEC_FLOAT payload of ``data``, or None if it would exceed ``cap``
+    bytes (or cannot be built: see ckptfs_fc_encode)."""
+    if cap <= 0:
+        return None
+    out = _new_uninit("uint8_t[]", cap)
+    with ffi.from_buffer(data) as src:
+        k = lib.ckptfs_fc_encode(src, len(src), width, phase, max_bits, out, cap)
+    return ffi.buffer(out, k)[:] if k else None
+
+
+def fc_decode(payload: Buffer, width: int, length: int) -> bytes | None:
+    """Decode a CODEC_FLOAT payload into ``length`` new bytes; None if the
+    payload is damaged.  Raises MemoryError if C could not allocate."""
+    out = _new_uninit("uint8_t[]", max(length, 1))
+    with ffi.from_buffer(payload) as src:
+        rc = lib.ckptfs_fc_decode(src, len(src), width, out, length)
+    if rc == -2:
+        raise MemoryError("ckptfs_fc_decode")
+    return ffi.buffer(out, length)[:] if rc == 0 else None
+
+
+def fc_decode_into(payload: Buffer, width: int, out: Buffer) -> bool:
+    """Decode a CODEC_FLOAT payload into all of ``out`` (writable, exactly
+    the chunk's length); False if the payload is damaged.  Raises
+    MemoryError if C could not allocate its scratch."""
+    with ffi.from_buffer(payload) as src, ffi.from_buffer(out, require_writable=True) as dst:
+        rc = lib.ckptfs_fc_decode(src, len(src), width, dst, len(dst))
+    if rc == -2:
+        raise MemoryError("ckptfs_fc_decode")
+    return rc == 0
+
+
+def rans8_encode(data: Buffer, cap: int) -> bytes | None:
+    """Order-0 rANS of a byte string, or None if it needs more than ``cap`` bytes."""
+    if cap <= 0:
+        return None
+    out = _new_uninit("uint8_t[]", cap)
+    with ffi.from_buffer(data) as src:
+        k = lib.ckptfs_rans8_encode(src, len(src), out, cap)
+    return ffi.buffer(out, k)[:] if k else None
+
+
+def rans8_decode_into(payload: Buffer, out: Buffer) -> bool:
+    """Decode :func:`rans8_encode` output into all of ``out``; False if damaged."""
+    with ffi.from_buffer(payload) as src, ffi.from_buffer(out, require_writable=True) as dst:
+        return lib.ckptfs_rans8_decode(src, len(src), dst, len(dst)) == 0

@@ -586,3 +586,1338 @@ static void native_init(void)
     }
 #endif
 }
+
+/* ---- chunk compression: byte planes, float layout, rANS ----------------- *
+ *
+ * See ckptfs/codec.py and docs/COMPRESSION.md for the payload formats.  The
+ * entropy coder is rANS (J. Duda; the arithmetic follows F. Giesen's
+ * rans64): 64-bit states kept in [2^31, 2^63), 32-bit renormalisation
+ * words, four interleaved states (value i belongs to state i % 4), each with
+ * its own word stream so no state waits on another's read pointer,
+ * probabilities quantised to 2^12.  A symbol may carry `raw` extra bits,
+ * coded as part of a symbol with the same frequency in a 2^(12 + raw)
+ * scale: they sit in the state just above the 12 slot bits, so they cost
+ * one shift and one mask to decode and never a table entry. */
+
+#include <stdlib.h>
+
+#define RANS_L (UINT64_C(1) << 31)
+#define RANS_LANES 4
+#define RANS_SCALE_BITS 12
+#define RANS_SCALE (1u << RANS_SCALE_BITS)
+#define RANS_MAX_SYMBOLS RANS_SCALE
+
+static float log2_frac[1025]; /* log2(1 + i / 1024), set by codec_init */
+
+static inline float flog2(uint32_t c) /* c >= 1, about 1e-3 accurate */
+{
+    int e = 31 - __builtin_clz(c);
+    uint32_t f = e >= 10 ? (c >> (e - 10)) & 1023 : (c << (10 - e)) & 1023;
+    return (float)e + log2_frac[f];
+}
+
+static inline uint32_t load32_le(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+           (uint32_t)p[3] << 24;
+}
+
+static inline void store32_le(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+}
+
+/* -- byte planes -- */
+
+static void split2(const uint8_t *s, size_t n, uint8_t *d0, uint8_t *d1)
+{
+    size_t i = 0;
+#if defined(__x86_64__)
+    const __m128i m = _mm_set1_epi16(0x00ff);
+    for (; i + 32 <= n; i += 32) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + 2 * i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + 2 * i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 2 * i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(s + 2 * i + 48));
+        _mm_storeu_si128((__m128i *)(d0 + i),
+                         _mm_packus_epi16(_mm_and_si128(a, m), _mm_and_si128(b, m)));
+        _mm_storeu_si128((__m128i *)(d1 + i),
+                         _mm_packus_epi16(_mm_srli_epi16(a, 8), _mm_srli_epi16(b, 8)));
+        _mm_storeu_si128((__m128i *)(d0 + i + 16),
+                         _mm_packus_epi16(_mm_and_si128(c, m), _mm_and_si128(d, m)));
+        _mm_storeu_si128((__m128i *)(d1 + i + 16),
+                         _mm_packus_epi16(_mm_srli_epi16(c, 8), _mm_srli_epi16(d, 8)));
+    }
+#endif
+    for (; i < n; i++) {
+        d0[i] = s[2 * i];
+        d1[i] = s[2 * i + 1];
+    }
+}
+
+static void merge2(const uint8_t *s0, const uint8_t *s1, size_t n, uint8_t *d)
+{
+    size_t i = 0;
+#if defined(__x86_64__)
+    for (; i + 32 <= n; i += 32) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s0 + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s1 + i));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s0 + i + 16));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s1 + i + 16));
+        _mm_storeu_si128((__m128i *)(d + 2 * i), _mm_unpacklo_epi8(a, b));
+        _mm_storeu_si128((__m128i *)(d + 2 * i + 16), _mm_unpackhi_epi8(a, b));
+        _mm_storeu_si128((__m128i *)(d + 2 * i + 32), _mm_unpacklo_epi8(c, e));
+        _mm_storeu_si128((__m128i *)(d + 2 * i + 48), _mm_unpackhi_epi8(c, e));
+    }
+#endif
+    for (; i < n; i++) {
+        d[2 * i] = s0[i];
+        d[2 * i + 1] = s1[i];
+    }
+}
+
+static void split4(const uint8_t *s, size_t n, uint8_t *d0, uint8_t *d1,
+                   uint8_t *d2, uint8_t *d3)
+{
+    size_t i = 0;
+#if defined(__x86_64__)
+    /* Two rounds of the 2-way split: 16-bit halves, then bytes. */
+    const __m128i m = _mm_set1_epi16(0x00ff);
+    for (; i + 16 <= n; i += 16) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + 4 * i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + 4 * i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 4 * i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(s + 4 * i + 48));
+        __m128i l1 = _mm_packus_epi16(_mm_and_si128(a, m), _mm_and_si128(b, m));
+        __m128i h1 = _mm_packus_epi16(_mm_srli_epi16(a, 8), _mm_srli_epi16(b, 8));
+        __m128i l2 = _mm_packus_epi16(_mm_and_si128(c, m), _mm_and_si128(d, m));
+        __m128i h2 = _mm_packus_epi16(_mm_srli_epi16(c, 8), _mm_srli_epi16(d, 8));
+        _mm_storeu_si128((__m128i *)(d0 + i),
+                         _mm_packus_epi16(_mm_and_si128(l1, m), _mm_and_si128(l2, m)));
+        _mm_storeu_si128((__m128i *)(d2 + i),
+                         _mm_packus_epi16(_mm_srli_epi16(l1, 8), _mm_srli_epi16(l2, 8)));
+        _mm_storeu_si128((__m128i *)(d1 + i),
+                         _mm_packus_epi16(_mm_and_si128(h1, m), _mm_and_si128(h2, m)));
+        _mm_storeu_si128((__m128i *)(d3 + i),
+                         _mm_packus_epi16(_mm_srli_epi16(h1, 8), _mm_srli_epi16(h2, 8)));
+    }
+#endif
+    for (; i < n; i++) {
+        d0[i] = s[4 * i];
+        d1[i] = s[4 * i + 1];
+        d2[i] = s[4 * i + 2];
+        d3[i] = s[4 * i + 3];
+    }
+}
+
+static void merge4(const uint8_t *s0, const uint8_t *s1, const uint8_t *s2,
+                   const uint8_t *s3, size_t n, uint8_t *d)
+{
+    size_t i = 0;
+#if defined(__x86_64__)
+    for (; i + 16 <= n; i += 16) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s0 + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s1 + i));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s2 + i));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s3 + i));
+        __m128i ab_lo = _mm_unpacklo_epi8(a, b), ab_hi = _mm_unpackhi_epi8(a, b);
+        __m128i ce_lo = _mm_unpacklo_epi8(c, e), ce_hi = _mm_unpackhi_epi8(c, e);
+        _mm_storeu_si128((__m128i *)(d + 4 * i), _mm_unpacklo_epi16(ab_lo, ce_lo));
+        _mm_storeu_si128((__m128i *)(d + 4 * i + 16), _mm_unpackhi_epi16(ab_lo, ce_lo));
+        _mm_storeu_si128((__m128i *)(d + 4 * i + 32), _mm_unpacklo_epi16(ab_hi, ce_hi));
+        _mm_storeu_si128((__m128i *)(d + 4 * i + 48), _mm_unpackhi_epi16(ab_hi, ce_hi));
+    }
+#endif
+    for (; i < n; i++) {
+        d[4 * i] = s0[i];
+        d[4 * i + 1] = s1[i];
+        d[4 * i + 2] = s2[i];
+        d[4 * i + 3] = s3[i];
+    }
+}
+
+void ckptfs_split_planes(const void *src, size_t len, size_t width, void *dst)
+{
+    const uint8_t *s = src;
+    uint8_t *d = dst;
+    if (width <= 1) {
+        memcpy(d, s, len);
+        return;
+    }
+    size_t n = len / width, body = n * width;
+    if (width == 2) {
+        split2(s, n, d, d + n);
+    } else if (width == 4) {
+        split4(s, n, d, d + n, d + 2 * n, d + 3 * n);
+    } else {
+        for (size_t i = 0; i < n; i++)
+            for (size_t p = 0; p < width; p++)
+                d[p * n + i] = s[i * width + p];
+    }
+    memcpy(d + body, s + body, len - body);
+}
+
+void ckptfs_merge_planes(const void *src, size_t len, size_t width, void *dst)
+{
+    const uint8_t *s = src;
+    uint8_t *d = dst;
+    if (width <= 1) {
+        memcpy(d, s, len);
+        return;
+    }
+    size_t n = len / width, body = n * width;
+    if (width == 2) {
+        merge2(s, s + n, n, d);
+    } else if (width == 4) {
+        merge4(s, s + n, s + 2 * n, s + 3 * n, n, d);
+    } else {
+        for (size_t i = 0; i < n; i++)
+            for (size_t p = 0; p < width; p++)
+                d[i * width + p] = s[p * n + i];
+    }
+    memcpy(d + body, s + body, len - body);
+}
+
+/* -- float layout detection -- */
+
+/* Entropy in bits per symbol of a histogram with total count n. */
+static double hist_entropy(const uint32_t *h, size_t bins, uint64_t n)
+{
+    if (n == 0)
+        return 0.0;
+    double s = 0.0;
+    for (size_t i = 0; i < bins; i++)
+        if (h[i])
+            s += (double)h[i] * flog2(h[i]);
+    double e = (double)flog2((uint32_t)(n > UINT32_MAX ? UINT32_MAX : n)) - s / (double)n;
+    return e < 0.0 ? 0.0 : e;
+}
+
+#define LAYOUT_SAMPLE 16384
+#define LAYOUT_BLOCK 256
+
+/* How much more often neighbouring elements share their top byte than
+ * independent draws from the same byte frequencies would (1.0: no
+ * sequential structure), over the sampled blocks. */
+static unsigned top_runs(const uint8_t *p, size_t len, size_t nblocks,
+                         size_t step, size_t block, unsigned w, unsigned phase)
+{
+    uint32_t h[256] = {0};
+    uint64_t n = 0, eq = 0, pairs = 0;
+    for (size_t b = 0; b < nblocks; b++) {
+        size_t off = b * step, k = off + block <= len ? block : len - off;
+        /* block starts are multiples of w: top bytes sit at j = phase + w - 1 mod w */
+        size_t j = (phase + w - 1) % w;
+        int prev = -1;
+        for (; j < k; j += w) {
+            uint8_t v = p[off + j];
+            h[v]++;
+            n++;
+            if (prev >= 0) {
+                eq += v == (uint8_t)prev;
+                pairs++;
+            }
+            prev = v;
+        }
+    }
+    if (pairs == 0 || n == 0)
+        return 1000;
+    double sq = 0;
+    for (unsigned v = 0; v < 256; v++)
+        sq += (double)h[v] * h[v];
+    sq /= (double)n * (double)n; /* chance that two draws are equal */
+    double r = ((double)eq / (double)pairs) / sq;
+    return r > 1e6 ? 1000000000u : (unsigned)(r * 1000 + 0.5);
+}
+
+unsigned ckptfs_float_layout(const void *buf, size_t len, unsigned width,
+                             unsigned *phase, unsigned *runs)
+{
+    static const double exp_max = 7.0;   /* sign/exponent byte: at most */
+    static const double mant_min = 7.0;  /* lowest mantissa byte: at least */
+    static const double tol2 = 0.25;     /* bits per 4 bytes in favour of 2 */
+    const uint8_t *p = buf;
+    unsigned m = width ? width : 4;
+    uint32_t h[16][256];
+    uint64_t cnt[16] = {0};
+    double H[16];
+
+    *phase = 0;
+    *runs = 1000;
+    if (width == 1 || width > 16)
+        return width;
+    if (len < 4 * (size_t)m)
+        return width; /* too short to tell */
+    memset(h, 0, sizeof(uint32_t) * 256 * m);
+
+    /* Sample whole blocks that start at multiples of m so every sampled byte
+     * keeps its position modulo m. */
+    size_t block = LAYOUT_BLOCK - LAYOUT_BLOCK % m, nblocks = 1, step = len;
+    if (len > LAYOUT_SAMPLE) {
+        nblocks = LAYOUT_SAMPLE / block;
+        step = (len - block) / (nblocks - 1);
+        step -= step % m;
+    } else {
+        block = len;
+    }
+    for (size_t b = 0; b < nblocks; b++) {
+        const uint8_t *q = p + b * step;
+        size_t k = b * step + block <= len ? block : len - b * step, i = 0;
+        if (m == 4)
+            for (; i + 4 <= k; i += 4) {
+                h[0][q[i]]++;
+                h[1][q[i + 1]]++;
+                h[2][q[i + 2]]++;
+                h[3][q[i + 3]]++;
+            }
+        for (unsigned pos = 0; i < k; i++) {
+            h[pos][q[i]]++;
+            if (++pos == m)
+                pos = 0;
+        }
+    }
+    for (unsigned q = 0; q < m; q++) {
+        for (unsigned v = 0; v < 256; v++)
+            cnt[q] += h[q][v];
+        H[q] = hist_entropy(h[q], 256, cnt[q]);
+    }
+
+    /* The top byte (sign, exponent) is the most predictable position, and
+     * the byte after it (the next element's lowest) among the least. */
+    unsigned best = 0, w = 0, ph = 0;
+    double best_score = 1e9;
+    if (width) {
+        for (unsigned q = 0; q < m; q++) {
+            double sc = H[q] - H[(q + 1) % m];
+            if (sc < best_score) {
+                best_score = sc;
+                best = q;
+            }
+        }
+        w = width;
+        ph = (best + 1) % m;
+    } else {
+        /* Detection: fp32 (4) against 16-bit floats (2).  Pooling positions
+         * of equal parity never lowers the entropy sum, so 2 wins only if
+         * pooling costs (almost) nothing: both members of each pair look
+         * alike. */
+        uint32_t pair[2][256];
+        double P[2];
+        for (unsigned v = 0; v < 256; v++) {
+            pair[0][v] = h[0][v] + h[2][v];
+            pair[1][v] = h[1][v] + h[3][v];
+        }
+        P[0] = hist_entropy(pair[0], 256, cnt[0] + cnt[2]);
+        P[1] = hist_entropy(pair[1], 256, cnt[1] + cnt[3]);
+        double cost4 = H[0] + H[1] + H[2] + H[3], cost2 = 2 * (P[0] + P[1]);
+        if (cost2 <= cost4 + tol2) {
+            unsigned e = P[0] <= P[1] ? 0 : 1;
+            if (P[e] <= exp_max && P[e ^ 1] >= mant_min) {
+                w = 2;
+                ph = (e + 1) % 2;
+            }
+        } else {
+            for (unsigned q = 0; q < 4; q++) {
+                double sc = H[q] - H[(q + 1) % 4];
+                if (sc < best_score) {
+                    best_score = sc;
+                    best = q;
+                }
+            }
+            if (H[best] <= exp_max && H[(best + 1) % 4] >= mant_min &&
+                H[(best + 2) % 4] >= mant_min) {
+                w = 4;
+                ph = (best + 1) % 4;
+            }
+        }
+    }
+    if (w) {
+        *phase = ph;
+        *runs = top_runs(p, len, nblocks, step, block, w, ph);
+    }
+    return w;
+}
+
+/* -- bit I/O for frequency tables (LSB first) -- */
+
+typedef struct {
+    uint8_t *p, *end;
+    uint64_t acc;
+    unsigned n;
+    int overflow;
+} bitw;
+
+static void bw_put(bitw *w, uint32_t v, unsigned bits) /* bits <= 32 */
+{
+    w->acc |= (uint64_t)v << w->n;
+    w->n += bits;
+    while (w->n >= 8) {
+        if (w->p < w->end)
+            *w->p++ = (uint8_t)w->acc;
+        else
+            w->overflow = 1;
+        w->acc >>= 8;
+        w->n -= 8;
+    }
+}
+
+static void bw_gamma(bitw *w, uint32_t x) /* Elias gamma, x >= 1 */
+{
+    unsigned k = 31 - (unsigned)__builtin_clz(x);
+    bw_put(w, UINT32_C(1) << k, k + 1);
+    if (k)
+        bw_put(w, x & ((UINT32_C(1) << k) - 1), k);
+}
+
+static void bw_flush(bitw *w)
+{
+    if (w->n)
+        bw_put(w, 0, 8 - w->n);
+}
+
+typedef struct {
+    const uint8_t *p, *end;
+    uint64_t acc;
+    unsigned n;
+    int bad;
+} bitr;
+
+static uint32_t br_get(bitr *r, unsigned bits) /* bits <= 32 */
+{
+    while (r->n < bits) {
+        uint64_t b = 0;
+        if (r->p < r->end)
+            b = *r->p++;
+        else
+            r->bad = 1;
+        r->acc |= b << r->n;
+        r->n += 8;
+    }
+    uint32_t v = (uint32_t)(r->acc & ((UINT64_C(1) << bits) - 1));
+    r->acc >>= bits;
+    r->n -= bits;
+    return v;
+}
+
+static uint32_t br_gamma(bitr *r)
+{
+    unsigned k = 0;
+    while (br_get(r, 1) == 0) {
+        if (++k > 31 || r->bad) {
+            r->bad = 1;
+            return 1;
+        }
+    }
+    return (UINT32_C(1) << k) | (k ? br_get(r, k) : 0);
+}
+
+/* -- frequency tables --
+ *
+ * Serialised form: U - 1 in 12 bits (U symbols used, 1..4096), the first
+ * symbol in `bits` bits, then per symbol: (but the first) the gap to the
+ * previous symbol, Elias gamma; its approximate frequency a in [1, 65535]
+ * as e = floor(log2 a), coded as gamma(zigzag(e - e_prev) + 1) with e_prev
+ * starting at 4, then the min(e, 3) bits below the leading one (a keeps four
+ * significant bits).  Encoder and decoder scale the a to frequencies summing
+ * to 2^12 with the same integer procedure (rans_normalize). */
+
+static uint32_t approx_freq(uint64_t c, uint64_t n) /* round(c * 4096 / n), in the code's set */
+{
+    uint64_t t = (c * RANS_SCALE * 2 + n) / (2 * n);
+    if (t < 1)
+        t = 1;
+    if (t > 65535)
+        t = 65535;
+    unsigned e = 31 - (unsigned)__builtin_clz((uint32_t)t);
+    if (e <= 3)
+        return (uint32_t)t;
+    unsigned sh = e - 3;
+    uint64_t r = (t + (UINT64_C(1) << (sh - 1))) >> sh; /* 4 significant bits, rounded */
+    if (r >= 16 && e == 15)
+        r = 15; /* 65536 does not fit: stay at 0xf000 */
+    return (uint32_t)(r << sh);
+}
+
+static int rans_normalize(const uint32_t *a, uint32_t *f, unsigned u)
+{
+    if (u == 0 || u > RANS_MAX_SYMBOLS)
+        return -1;
+    uint64_t s = 0;
+    for (unsigned k = 0; k < u; k++)
+        s += a[k];
+    if (s == 0)
+        return -1;
+    uint32_t total = 0;
+    unsigned imax = 0;
+    for (unsigned k = 0; k < u; k++) {
+        uint64_t v = ((uint64_t)a[k] * RANS_SCALE + s / 2) / s;
+        f[k] = v ? (uint32_t)v : 1;
+        total += f[k];
+        if (f[k] > f[imax])
+            imax = k;
+    }
+    if (total < RANS_SCALE) {
+        f[imax] += RANS_SCALE - total;
+        return 0;
+    }
+    while (total > RANS_SCALE) { /* rare: many rounded up to 1 */
+        imax = 0;
+        for (unsigned k = 1; k < u; k++)
+            if (f[k] > f[imax])
+                imax = k;
+        uint32_t take = total - RANS_SCALE;
+        if (take > f[imax] - 1)
+            take = f[imax] - 1;
+        if (take == 0)
+            return -1; /* cannot happen with u <= RANS_SCALE */
+        f[imax] -= take;
+        total -= take;
+    }
+    return 0;
+}
+
+static void write_table(bitw *w, const uint32_t *syms, const uint32_t *a,
+                        unsigned u, unsigned bits)
+{
+    bw_put(w, u - 1, 12);
+    bw_put(w, syms[0], bits);
+    unsigned eprev = 4;
+    for (unsigned k = 0; k < u; k++) {
+        if (k)
+            bw_gamma(w, syms[k] - syms[k - 1]);
+        unsigned e = 31 - (unsigned)__builtin_clz(a[k]);
+        int d = (int)e - (int)eprev;
+        bw_gamma(w, (uint32_t)(d >= 0 ? 2 * d : -2 * d - 1) + 1);
+        unsigned mb = e < 3 ? e : 3;
+        if (mb)
+            bw_put(w, (a[k] >> (e - mb)) & ((1u << mb) - 1), mb);
+        eprev = e;
+    }
+}
+
+static int read_table(bitr *r, uint32_t *syms, uint32_t *a, unsigned *u_out,
+                      unsigned bits)
+{
+    unsigned u = br_get(r, 12) + 1;
+    uint64_t s = br_get(r, bits), limit = UINT64_C(1) << bits; /* no wrap-around */
+    unsigned eprev = 4;
+    for (unsigned k = 0; k < u; k++) {
+        if (k) {
+            s += br_gamma(r);
+            if (s >= limit)
+                return -1;
+        }
+        syms[k] = (uint32_t)s;
+        uint32_t z = br_gamma(r) - 1;
+        int d = (z & 1) ? -(int)((z + 1) / 2) : (int)(z / 2);
+        int e = (int)eprev + d;
+        if (e < 0 || e > 15 || r->bad)
+            return -1;
+        unsigned mb = e < 3 ? (unsigned)e : 3;
+        uint32_t mant = mb ? br_get(r, mb) : 0;
+        a[k] = ((UINT32_C(1) << mb) | mant) << (e - (int)mb);
+        eprev = (unsigned)e;
+    }
+    if (r->bad)
+        return -1;
+    *u_out = u;
+    return 0;
+}
+
+/* -- rANS core -- */
+
+/* Value access: a value is hi[i * stride] << 8 | lo[i * stride] (16-bit
+ * values), or hi[i * stride] alone when lo is NULL (8-bit values). */
+typedef struct {
+    const uint8_t *hi, *lo;
+    size_t stride;
+} vsrc;
+
+static inline uint32_t vget(const vsrc *v, size_t i)
+{
+    uint32_t x = v->hi[i * v->stride];
+    return v->lo ? x << 8 | v->lo[i * v->stride] : x;
+}
+
+/* Estimated coded size in bits of a histogram of the top `bits` of values
+ * of vbits, U symbols in use: entropy + raw bits + table + states. */
+static double est_cost(const uint32_t *h, unsigned bits, unsigned vbits,
+                       uint64_t n, unsigned *u_out)
+{
+    size_t bins = (size_t)1 << bits;
+    double s = 0.0;
+    unsigned u = 0;
+    for (size_t i = 0; i < bins; i++)
+        if (h[i]) {
+            s += (double)h[i] * flog2(h[i]);
+            u++;
+        }
+    *u_out = u;
+    double ent = (double)n * flog2((uint32_t)n) - s;
+    if (ent < 0)
+        ent = 0;
+    return ent + (double)n * (vbits - bits) + 10.0 * u + 12 + 8 * 8 * RANS_LANES;
+}
+
+/* Encoder symbol: x -> ((x / f) << T) + x % f + start computed as
+ * x + bias + q * (2^T - f) with q = x / f from a reciprocal (Alverson's
+ * method, as in F. Giesen's rans64): exact for x < 2^63, no division. */
+typedef struct {
+    uint64_t rcp, xmax;
+    uint32_t cmpl, bias, shift, pad;
+} esym;
+
+static inline uint64_t mulhi64(uint64_t a, uint64_t b)
+{
+#if defined(__SIZEOF_INT128__)
+    return (uint64_t)(((unsigned __int128)a * b) >> 64);
+#else
+    uint64_t a0 = (uint32_t)a, a1 = a >> 32, b0 = (uint32_t)b, b1 = b >> 32;
+    uint64_t t = a1 * b0 + ((a0 * b0) >> 32);
+    uint64_t w = (uint32_t)t + a0 * b1;
+    return a1 * b1 + (t >> 32) + (w >> 32);
+#endif
+}
+
+static void esym_init(esym *e, uint32_t f, uint32_t start, unsigned tbits)
+{
+    e->xmax = (uint64_t)f << (63 - tbits);
+    e->cmpl = (UINT32_C(1) << tbits) - f;
+    if (f < 2) {
+        /* q = mulhi(x, 2^64 - 1) = x - 1; the bias makes up the 1. */
+        e->rcp = ~UINT64_C(0);
+        e->shift = 0;
+        e->bias = start + (UINT32_C(1) << tbits) - 1;
+    } else {
+        uint32_t shift = 0;
+        while (f > (UINT32_C(1) << shift))
+            shift++;
+        /* rcp = ceil(2^(shift + 63) / f), by long division in 64 bits. */
+        uint64_t x0 = f - 1, x1 = UINT64_C(1) << (shift + 31);
+        uint64_t t1 = x1 / f;
+        x0 += (x1 % f) << 32;
+        uint64_t t0 = x0 / f;
+        e->rcp = t0 + (t1 << 32);
+        e->shift = shift - 1;
+        e->bias = start;
+    }
+    e->pad = 0;
+}
+
+/* x >= xmax: keep the low word just stored below *w (move *w down over
+ * it) and shift it out of x.  Branchless, like rans_renorm. */
+static inline __attribute__((always_inline)) void
+rans_emit(uint64_t *x, uint8_t **w, uint64_t xmax)
+{
+    uint64_t hi = *x >> 32;
+#if defined(__x86_64__)
+    uint8_t *wn = *w - 4;
+    __asm__("cmp %[xmax], %[x]\n\t"
+            "cmovae %[wn], %[w]\n\t"
+            "cmovae %[hi], %[x]"
+            : [x] "+r"(*x), [w] "+r"(*w)
+            : [xmax] "r"(xmax), [hi] "r"(hi), [wn] "r"(wn)
+            : "cc");
+#else
+    uint64_t c = *x >= xmax;
+    *w -= c << 2;
+    *x = c ? hi : *x;
+#endif
+}
+
+enum { RD_U16, RD_PLANES, RD_U8 };
+
+/* The encoding loop, inlined per value layout (mode as in rans_dec_run).
+ * Walks the values backwards; lane l = i % 4 keeps its state in a register
+ * and its words in [wend[l] - room, wend[l]), written backwards.  Emitting
+ * is branchless: the low word is always stored and the pointer moves only
+ * if it is kept.  Returns 1, or 0 if a lane runs out of room. */
+static inline __attribute__((always_inline)) int
+rans_enc_run(const vsrc *v, size_t n, const unsigned raw, const uint32_t *etab,
+             const esym *es, size_t room, uint8_t *const *wend, uint8_t **wp_out,
+             uint64_t *x_out, const int mode)
+{
+    const uint32_t rmask = (UINT32_C(1) << raw) - 1;
+    const uint8_t *hi = v->hi, *lo = v->lo;
+    uint64_t x0 = RANS_L, x1 = RANS_L, x2 = RANS_L, x3 = RANS_L;
+    uint8_t *w0 = wend[0], *w1 = wend[1], *w2 = wend[2], *w3 = wend[3];
+    uint8_t *b0 = w0 - room, *b1 = w1 - room, *b2 = w2 - room, *b3 = w3 - room;
+
+#define ENC_VAL(i)                                                            \
+    (mode == RD_U16      ? (uint32_t)lo[2 * (i)] | (uint32_t)lo[2 * (i) + 1] << 8 \
+     : mode == RD_PLANES ? (uint32_t)hi[i] << 8 | lo[i]                        \
+                         : (uint32_t)hi[i])
+#define ENC_STEP(X, W, i)                                                     \
+    do {                                                                      \
+        uint32_t val_ = ENC_VAL(i);                                           \
+        const esym *e_ = &es[etab[val_ >> raw]];                              \
+        store32_le((W)-4, (uint32_t)(X));                                     \
+        rans_emit(&(X), &(W), e_->xmax);                                      \
+        uint64_t q_ = mulhi64((X), e_->rcp) >> e_->shift; /* X / f */         \
+        (X) += e_->bias + q_ * e_->cmpl + ((uint64_t)(val_ & rmask) << RANS_SCALE_BITS); \
+    } while (0)
+
+    size_t i = n;
+    /* The last n % 4 values first, one lane each; then whole rounds. */
+    while (i & (RANS_LANES - 1)) {
+        i--;
+        if (w0 - b0 < 8 || w1 - b1 < 8 || w2 - b2 < 8 || w3 - b3 < 8)
+            return 0;
+        switch (i & 3) {
+        case 0: ENC_STEP(x0, w0, i); break;
+        case 1: ENC_STEP(x1, w1, i); break;
+        case 2: ENC_STEP(x2, w2, i); break;
+        default: ENC_STEP(x3, w3, i); break;
+        }
+    }
+    while (i) {
+        /* Each lane stores at most one word per round, plus the speculative
+         * store just below its pointer. */
+        if (w0 - b0 < 8 || w1 - b1 < 8 || w2 - b2 < 8 || w3 - b3 < 8)
+            return 0;
+        i -= 4;
+        ENC_STEP(x3, w3, i + 3);
+        ENC_STEP(x2, w2, i + 2);
+        ENC_STEP(x1, w1, i + 1);
+        ENC_STEP(x0, w0, i);
+    }
+#undef ENC_STEP
+#undef ENC_VAL
+    x_out[0] = x0; x_out[1] = x1; x_out[2] = x2; x_out[3] = x3;
+    wp_out[0] = w0; wp_out[1] = w1; wp_out[2] = w2; wp_out[3] = w3;
+    return 1;
+}
+
+/* Encode n values with `bits`-bit symbols (the rest of each value's vbits
+ * raw) into [o, oend): table, four states, the sizes of the word streams of
+ * lanes 0..2 (u32 each), then the four streams.  Returns the size, or 0 if
+ * it does not fit.  h is the histogram of the symbols; etab is scratch of
+ * 2^bits entries, wbuf of RANS_LANES * (oend - o) bytes. */
+static size_t rans_encode(const vsrc *v, size_t n, unsigned vbits,
+                          unsigned bits, const uint32_t *h, uint32_t *etab,
+                          esym *es, uint8_t *wbuf, uint8_t *o, uint8_t *oend)
+{
+    uint32_t syms[RANS_MAX_SYMBOLS], a[RANS_MAX_SYMBOLS], f[RANS_MAX_SYMBOLS];
+    unsigned u = 0;
+    size_t bins = (size_t)1 << bits;
+    for (size_t s = 0; s < bins; s++)
+        if (h[s]) {
+            if (u == RANS_MAX_SYMBOLS)
+                return 0;
+            syms[u] = (uint32_t)s;
+            a[u] = approx_freq(h[s], n);
+            u++;
+        }
+    /* One symbol alone (frequency 2^12) is not codable: the decoder keeps
+     * frequencies below 2^12, and a constant is zstd's job anyway. */
+    if (u < 2 || rans_normalize(a, f, u) != 0)
+        return 0;
+    bitw w = {o, oend, 0, 0, 0};
+    write_table(&w, syms, a, u, bits);
+    bw_flush(&w);
+    if (w.overflow)
+        return 0;
+    uint8_t *states = w.p, *sizes = states + 8 * RANS_LANES;
+    uint8_t *streams = sizes + 4 * (RANS_LANES - 1);
+    if (streams > oend)
+        return 0;
+    size_t room = (size_t)(oend - streams); /* all streams together */
+    const unsigned raw = vbits - bits, tbits = RANS_SCALE_BITS + raw;
+    uint32_t cum = 0;
+    for (unsigned k = 0; k < u; k++) {
+        etab[syms[k]] = k;
+        esym_init(&es[k], f[k], cum, tbits);
+        cum += f[k];
+    }
+    uint64_t x[RANS_LANES];
+    uint8_t *wp[RANS_LANES], *wend[RANS_LANES];
+    for (unsigned l = 0; l < RANS_LANES; l++)
+        wend[l] = wbuf + (l + 1) * room; /* each lane writes backwards */
+    int ok;
+    if (!v->lo)
+        ok = rans_enc_run(v, n, raw, etab, es, room, wend, wp, x, RD_U8);
+    else if (v->stride == 2 && v->hi == v->lo + 1)
+        ok = rans_enc_run(v, n, raw, etab, es, room, wend, wp, x, RD_U16);
+    else if (v->stride == 1)
+        ok = rans_enc_run(v, n, raw, etab, es, room, wend, wp, x, RD_PLANES);
+    else
+        ok = 0;
+    if (!ok)
+        return 0;
+    size_t total = 0;
+    for (unsigned l = 0; l < RANS_LANES; l++)
+        total += (size_t)(wend[l] - wp[l]);
+    if (total > room)
+        return 0;
+    for (unsigned l = 0; l < RANS_LANES; l++) {
+        for (unsigned b = 0; b < 8; b++)
+            states[8 * l + b] = (uint8_t)(x[l] >> (8 * b));
+        size_t k = (size_t)(wend[l] - wp[l]);
+        if (l + 1 < RANS_LANES)
+            store32_le(sizes + 4 * l, (uint32_t)k);
+        memcpy(streams, wp[l], k);
+        streams += k;
+    }
+    return (size_t)(streams - o);
+}
+
+typedef struct {
+    /* 8 entries of slack: the fill below writes whole 8-entry vectors. */
+    uint16_t symv[RANS_SCALE + 8]; /* slot -> symbol << raw */
+    uint16_t freq[RANS_SCALE + 8]; /* slot -> its symbol's frequency */
+    uint16_t bias[RANS_SCALE + 8]; /* slot -> slot - its symbol's start */
+    uint64_t x[RANS_LANES];
+    const uint8_t *p[RANS_LANES], *pe[RANS_LANES];
+} rans_dec;
+
+/* Parse the table, states and stream sizes of a rANS body.  0 or -1. */
+static int rans_dec_init(rans_dec *d, const uint8_t *in, size_t in_len,
+                         unsigned vbits, unsigned bits)
+{
+    uint32_t syms[RANS_MAX_SYMBOLS], a[RANS_MAX_SYMBOLS], f[RANS_MAX_SYMBOLS];
+    unsigned u;
+    bitr r = {in, in + in_len, 0, 0, 0};
+    if (bits > vbits || bits == 0 || read_table(&r, syms, a, &u, bits) != 0 ||
+        r.acc != 0 || u < 2 || rans_normalize(a, f, u) != 0)
+        return -1; /* r.acc: the table's padding bits must be zero */
+    const unsigned raw = vbits - bits;
+    uint32_t slot = 0;
+    for (unsigned k = 0; k < u; k++) {
+        uint16_t sv = (uint16_t)(syms[k] << raw), fk = (uint16_t)f[k]; /* < 4096: u >= 2 */
+#if defined(__x86_64__)
+        /* Whole vectors, in slot order: what spills past this symbol's
+         * slots is overwritten by the next symbol's (or is slack). */
+        const __m128i vs = _mm_set1_epi16((short)sv), vf = _mm_set1_epi16((short)fk);
+        const __m128i step = _mm_set1_epi16(8);
+        __m128i vb = _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7);
+        for (uint32_t j = 0; j < fk; j += 8) {
+            _mm_storeu_si128((__m128i *)(d->symv + slot + j), vs);
+            _mm_storeu_si128((__m128i *)(d->freq + slot + j), vf);
+            _mm_storeu_si128((__m128i *)(d->bias + slot + j), vb);
+            vb = _mm_add_epi16(vb, step);
+        }
+        slot += fk;
+#else
+        for (uint32_t j = 0; j < fk; j++, slot++) {
+            d->symv[slot] = sv;
+            d->freq[slot] = fk;
+            d->bias[slot] = (uint16_t)j;
+        }
+#endif
+    }
+    const uint8_t *q = r.p, *end = in + in_len;
+    if ((size_t)(end - q) < 12 * RANS_LANES - 4)
+        return -1;
+    const uint8_t *sp = q + 12 * RANS_LANES - 4; /* the first stream */
+    for (unsigned l = 0; l < RANS_LANES; l++) {
+        d->x[l] = (uint64_t)load32_le(q + 8 * l) | (uint64_t)load32_le(q + 8 * l + 4) << 32;
+        if (d->x[l] < RANS_L || d->x[l] >> 63)
+            return -1;
+        size_t k = l + 1 < RANS_LANES ? load32_le(q + 8 * RANS_LANES + 4 * l)
+                                      : (size_t)(end - sp);
+        if (k > (size_t)(end - sp))
+            return -1;
+        d->p[l] = sp;
+        d->pe[l] = sp + k;
+        sp += k;
+    }
+    return sp == end ? 0 : -1;
+}
+
+/* x < 2^31: shift in the next 32-bit word.  Branchless: whether a lane
+ * renormalises is a coin flip to the branch predictor, and GCC turns the
+ * plain C into a branch, so x86-64 gets one cmp and two cmovs. */
+static inline __attribute__((always_inline)) void
+rans_renorm(uint64_t *x, const uint8_t **p)
+{
+    uint64_t alt = *x << 32 | load32_le(*p);
+#if defined(__x86_64__)
+    const uint8_t *next = *p + 4;
+    __asm__("cmp %[lim], %[x]\n\t"
+            "cmovb %[alt], %[x]\n\t"
+            "cmovb %[next], %[p]"
+            : [x] "+r"(*x), [p] "+r"(*p)
+            : [lim] "r"(RANS_L), [alt] "r"(alt), [next] "r"(next)
+            : "cc");
+#else
+    uint64_t c = *x < RANS_L;
+    *x = c ? alt : *x;
+    *p += c << 2;
+#endif
+}
+
+/* Decode n values into dst (RD_U16: little-endian uint16s at dst;
+ * RD_PLANES: high bytes at dst, low bytes at dst2; RD_U8: bytes at dst).
+ * Inlined with constant mode and raw, so shifts and masks are immediates.
+ * 0, or -1 if the streams do not end exactly where the states do. */
+static inline __attribute__((always_inline)) int
+rans_dec_run(rans_dec *d, size_t n, const unsigned raw, uint8_t *dst,
+             uint8_t *dst2, const int mode)
+{
+    const unsigned tbits = RANS_SCALE_BITS + raw;
+    const uint32_t rmask = (UINT32_C(1) << raw) - 1, smask = RANS_SCALE - 1;
+    const uint16_t *symv = d->symv, *freq = d->freq, *bias = d->bias;
+#define FREQ(sl) ((uint64_t)freq[sl])
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define RANS_STORE16(ptr, val)                                                \
+    do {                                                                      \
+        uint16_t v16_ = (uint16_t)(val);                                      \
+        memcpy((ptr), &v16_, 2);                                              \
+    } while (0)
+#else
+#define RANS_STORE16(ptr, val)                                                \
+    do {                                                                      \
+        (ptr)[0] = (uint8_t)(val);                                            \
+        (ptr)[1] = (uint8_t)((val) >> 8);                                     \
+    } while (0)
+#endif
+#define RANS_STORE(i, val)                                                    \
+    do {                                                                      \
+        if (mode == RD_U16) {                                                 \
+            RANS_STORE16(dst + 2 * (i), val);                                 \
+        } else if (mode == RD_PLANES) {                                       \
+            dst[i] = (uint8_t)((val) >> 8);                                   \
+            dst2[i] = (uint8_t)(val);                                         \
+        } else {                                                              \
+            dst[i] = (uint8_t)(val);                                          \
+        }                                                                     \
+    } while (0)
+#define RANS_STEP(X, P, i)                                                    \
+    do {                                                                      \
+        uint32_t sl_ = (uint32_t)(X)&smask;                                   \
+        uint32_t val_ = symv[sl_] | ((uint32_t)((X) >> RANS_SCALE_BITS) & rmask); \
+        (X) = FREQ(sl_) * ((X) >> tbits) + bias[sl_];                         \
+        RANS_STORE(i, val_);                                                  \
+        rans_renorm(&(X), &(P));                                              \
+    } while (0)
+
+    size_t i = 0;
+    uint64_t x0 = d->x[0], x1 = d->x[1], x2 = d->x[2], x3 = d->x[3];
+    const uint8_t *p0 = d->p[0], *p1 = d->p[1], *p2 = d->p[2], *p3 = d->p[3];
+    for (;;) {
+        /* Each round reads at most one word per lane: run as many rounds
+         * unchecked as every lane has words left. */
+        size_t k = (n - i) / RANS_LANES, m;
+        m = (size_t)(d->pe[0] - p0) / 4; k = m < k ? m : k;
+        m = (size_t)(d->pe[1] - p1) / 4; k = m < k ? m : k;
+        m = (size_t)(d->pe[2] - p2) / 4; k = m < k ? m : k;
+        m = (size_t)(d->pe[3] - p3) / 4; k = m < k ? m : k;
+        if (k < 8)
+            break;
+        for (size_t e = i + k * RANS_LANES; i < e; i += RANS_LANES) {
+            RANS_STEP(x0, p0, i);
+            RANS_STEP(x1, p1, i + 1);
+            RANS_STEP(x2, p2, i + 2);
+            RANS_STEP(x3, p3, i + 3);
+        }
+    }
+#undef RANS_STEP
+    uint64_t xs[RANS_LANES] = {x0, x1, x2, x3};
+    const uint8_t *ps[RANS_LANES] = {p0, p1, p2, p3};
+    for (; i < n; i++) {
+        unsigned l = i & (RANS_LANES - 1);
+        uint64_t x = xs[l];
+        uint32_t sl = (uint32_t)x & smask;
+        uint32_t val = symv[sl] | ((uint32_t)(x >> RANS_SCALE_BITS) & rmask);
+        x = FREQ(sl) * (x >> tbits) + bias[sl];
+        RANS_STORE(i, val);
+        if (x < RANS_L) {
+            if (d->pe[l] - ps[l] < 4)
+                return -1;
+            x = x << 32 | load32_le(ps[l]);
+            ps[l] += 4;
+        }
+        xs[l] = x;
+    }
+#undef RANS_STORE
+#undef RANS_STORE16
+#undef FREQ
+    for (unsigned l = 0; l < RANS_LANES; l++)
+        if (xs[l] != RANS_L || ps[l] != d->pe[l])
+            return -1;
+    return 0;
+}
+
+#define RANS_RAW_CASES(MODE, DST, DST2)                                       \
+    switch (raw) {                                                            \
+    case 0: return rans_dec_run(&d, n, 0, DST, DST2, MODE);                   \
+    case 1: return rans_dec_run(&d, n, 1, DST, DST2, MODE);                   \
+    case 2: return rans_dec_run(&d, n, 2, DST, DST2, MODE);                   \
+    case 3: return rans_dec_run(&d, n, 3, DST, DST2, MODE);                   \
+    case 4: return rans_dec_run(&d, n, 4, DST, DST2, MODE);                   \
+    case 5: return rans_dec_run(&d, n, 5, DST, DST2, MODE);                   \
+    case 6: return rans_dec_run(&d, n, 6, DST, DST2, MODE);                   \
+    case 7: return rans_dec_run(&d, n, 7, DST, DST2, MODE);                   \
+    case 8: return rans_dec_run(&d, n, 8, DST, DST2, MODE);                   \
+    default: return -1;                                                       \
+    }
+
+static int rans_decode_u16(const uint8_t *in, size_t len, size_t n,
+                           unsigned bits, uint8_t *dst)
+{
+    rans_dec d;
+    if (bits < 8 || rans_dec_init(&d, in, len, 16, bits))
+        return -1;
+    unsigned raw = 16 - bits;
+    RANS_RAW_CASES(RD_U16, dst, NULL)
+}
+
+static int rans_decode_planes(const uint8_t *in, size_t len, size_t n,
+                              unsigned bits, uint8_t *hi, uint8_t *lo)
+{
+    rans_dec d;
+    if (bits < 8 || rans_dec_init(&d, in, len, 16, bits))
+        return -1;
+    unsigned raw = 16 - bits;
+    RANS_RAW_CASES(RD_PLANES, hi, lo)
+}
+#undef RANS_RAW_CASES
+
+static int rans_decode_u8(const uint8_t *in, size_t len, size_t n, uint8_t *dst)
+{
+    rans_dec d;
+    if (rans_dec_init(&d, in, len, 8, 8))
+        return -1;
+    return rans_dec_run(&d, n, 0, dst, NULL, RD_U8);
+}
+
+/* Histogram of the top `bits` of n values of vbits into h (2^bits, zeroed here). */
+static void value_hist(const vsrc *v, size_t n, unsigned vbits, unsigned bits,
+                       uint32_t *h)
+{
+    unsigned sh = vbits - bits;
+    memset(h, 0, sizeof(uint32_t) << bits);
+    if (!v->lo && v->stride == 1 && bits == 8) {
+        /* Bytes: four tables, so runs of one value do not chain every
+         * increment through the same counter. */
+        uint32_t t[4][256];
+        memset(t, 0, sizeof(t));
+        const uint8_t *b = v->hi;
+        size_t i = 0;
+        for (; i + 4 <= n; i += 4) {
+            t[0][b[i]]++;
+            t[1][b[i + 1]]++;
+            t[2][b[i + 2]]++;
+            t[3][b[i + 3]]++;
+        }
+        for (; i < n; i++)
+            t[0][b[i]]++;
+        for (unsigned k = 0; k < 256; k++)
+            h[k] = t[0][k] + t[1][k] + t[2][k] + t[3][k];
+    } else if (v->lo && v->stride == 1) {
+        const uint8_t *hi = v->hi, *lo = v->lo;
+        for (size_t i = 0; i < n; i++)
+            h[((uint32_t)hi[i] << 8 | lo[i]) >> sh]++;
+    } else if (v->lo && v->stride == 2 && v->hi == v->lo + 1) {
+        const uint8_t *b = v->lo;
+        for (size_t i = 0; i < n; i++)
+            h[((uint32_t)b[2 * i + 1] << 8 | b[2 * i]) >> sh]++;
+    } else {
+        for (size_t i = 0; i < n; i++)
+            h[vget(v, i) >> sh]++;
+    }
+}
+
+/* Encoder scratch: histogram and symbol index (2^16 words each), the
+ * encoder symbols (RANS_MAX_SYMBOLS esyms), then the per-lane word buffers
+ * (RANS_LANES times the largest raw section). */
+#define FC_SCRATCH_WORDS (2 * ((size_t)1 << 16) + RANS_MAX_SYMBOLS * sizeof(esym) / 4)
+#define FC_ESYMS(scratch) ((esym *)((scratch) + 2 * ((size_t)1 << 16)))
+
+static uint32_t *alloc_scratch(size_t max_section)
+{
+    return malloc(FC_SCRATCH_WORDS * sizeof(uint32_t) + RANS_LANES * max_section);
+}
+
+/* A byte plane whose first and middle 2 KiB show more than 7.85 bits of
+ * entropy per byte is left raw without a full histogram: the low mantissa
+ * bytes of trained weights (7.99 bits) are, and coding would save < 1%. */
+static int looks_random(const vsrc *v, size_t n)
+{
+    if (n < 16384)
+        return 0;
+    uint32_t h[256] = {0};
+    for (size_t i = 0; i < 2048; i++) {
+        h[v->hi[i * v->stride]]++;
+        h[v->hi[(n / 2 + i) * v->stride]]++;
+    }
+    return hist_entropy(h, 256, 4096) > 7.85;
+}
+
+/* One coded section: u8 mode, u32 size, body.  mode 0 = raw values
+ * (16-bit: little-endian uint16s), else rANS with `mode` symbol bits.  Picks
+ * the symbol width from 8 to max_bits by estimated size; returns the bytes
+ * written or 0 if they do not fit in [o, oend). */
+static size_t put_section(const vsrc *v, size_t n, unsigned vbits,
+                          unsigned max_bits, uint32_t *scratch, uint8_t *o,
+                          uint8_t *oend)
+{
+    size_t raw_size = n * (vbits / 8);
+    if ((size_t)(oend - o) < 5)
+        return 0;
+    uint8_t *body = o + 5;
+    size_t size = 0;
+    unsigned mode = 0;
+    if (n >= 64 && !(vbits == 8 && looks_random(v, n))) {
+        uint32_t *h = scratch, *etab = scratch + ((size_t)1 << 16);
+        uint8_t *wbuf = (uint8_t *)(scratch + FC_SCRATCH_WORDS);
+        unsigned top = max_bits < vbits ? max_bits : vbits, best = 0, u;
+        if (top < 8)
+            top = 8;
+        double best_cost = 8.0 * (double)raw_size - 256; /* must beat raw clearly */
+        value_hist(v, n, vbits, top, h);
+        /* Fold a copy down one bit at a time, estimating each width. */
+        memcpy(etab, h, sizeof(uint32_t) << top);
+        for (unsigned b = top;; b--) {
+            double c = est_cost(etab, b, vbits, n, &u);
+            if (u >= 2 && u <= RANS_MAX_SYMBOLS && c < best_cost) {
+                best_cost = c;
+                best = b;
+            }
+            if (b == 8)
+                break;
+            for (size_t j = 0; j < ((size_t)1 << (b - 1)); j++) /* fold to b - 1 bits */
+                etab[j] = etab[2 * j] + etab[2 * j + 1];
+        }
+        if (best) {
+            for (unsigned b = top; b > best; b--)
+                for (size_t j = 0; j < ((size_t)1 << (b - 1)); j++)
+                    h[j] = h[2 * j] + h[2 * j + 1];
+            size_t lim = raw_size < (size_t)(oend - body) ? raw_size : (size_t)(oend - body);
+            size = rans_encode(v, n, vbits, best, h, etab, FC_ESYMS(scratch), wbuf, body,
+                               body + lim);
+            if (size)
+                mode = best;
+        }
+    }
+    if (!mode) {
+        if ((size_t)(oend - body) < raw_size)
+            return 0;
+        if (vbits == 8 && v->stride == 1)
+            memcpy(body, v->hi, n);
+        else if (vbits == 16 && v->stride == 2 && v->hi == v->lo + 1)
+            memcpy(body, v->lo, 2 * n);
+        else if (vbits == 16 && v->stride == 1)
+            merge2(v->lo, v->hi, n, body);
+        else
+            for (size_t i = 0; i < n; i++) {
+                uint32_t x = vget(v, i);
+                if (vbits == 16) {
+                    body[2 * i] = (uint8_t)x;
+                    body[2 * i + 1] = (uint8_t)(x >> 8);
+                } else {
+                    body[i] = (uint8_t)x;
+                }
+            }
+        size = raw_size;
+    }
+    o[0] = (uint8_t)mode;
+    store32_le(o + 1, (uint32_t)size);
+    return 5 + size;
+}
+
+size_t ckptfs_fc_encode(const void *src, size_t len, unsigned width,
+                        unsigned phase, unsigned max_bits, void *out,
+                        size_t cap)
+{
+    const uint8_t *s = src;
+    uint8_t *o = out, *oend = o + cap;
+    if (width < 2 || width > 16 || phase >= width || len < phase + width ||
+        len >= (UINT64_C(1) << 32) || max_bits > 16)
+        return 0;
+    size_t n = (len - phase) / width, body = n * width, r = len - phase - body;
+    if (cap < 1 + phase + r)
+        return 0;
+    *o++ = (uint8_t)phase;
+    memcpy(o, s, phase);
+    o += phase;
+    memcpy(o, s + phase + body, r);
+    o += r;
+
+    uint8_t *planes = NULL;
+    uint32_t *scratch = alloc_scratch(2 * n);
+    if (!scratch)
+        return 0;
+    vsrc top;
+    if (width == 2) {
+        top = (vsrc){s + phase + 1, s + phase, 2};
+    } else {
+        planes = malloc(body);
+        if (!planes) {
+            free(scratch);
+            return 0;
+        }
+        ckptfs_split_planes(s + phase, body, width, planes);
+        top = (vsrc){planes + (width - 1) * n, planes + (width - 2) * n, 1};
+    }
+    size_t k = put_section(&top, n, 16, max_bits, scratch, o, oend);
+    if (!k)
+        goto fail;
+    o += k;
+    for (unsigned j = 0; j + 2 < width; j++) {
+        vsrc pl = {planes + j * n, NULL, 1};
+        k = put_section(&pl, n, 8, 8, scratch, o, oend);
+        if (!k)
+            goto fail;
+        o += k;
+    }
+    if (oend - o < 4)
+        goto fail;
+    store32_le(o, ckptfs_crc32c(0, s, len));
+    o += 4;
+    free(planes);
+    free(scratch);
+    return (size_t)(o - (uint8_t *)out);
+fail:
+    free(planes);
+    free(scratch);
+    return 0;
+}
+
+/* Interleave width planes given by pointers into n elements at d. */
+static void merge_ptrs(const uint8_t *const *pl, size_t n, unsigned width, uint8_t *d)
+{
+    if (width == 2) {
+        merge2(pl[0], pl[1], n, d);
+    } else if (width == 4) {
+        merge4(pl[0], pl[1], pl[2], pl[3], n, d);
+    } else {
+        for (size_t i = 0; i < n; i++)
+            for (unsigned p = 0; p < width; p++)
+                d[i * width + p] = pl[p][i];
+    }
+}
+
+int ckptfs_fc_decode(const void *payload, size_t plen, unsigned width,
+                     void *dst, size_t len)
+{
+    const uint8_t *p = payload, *end = p + plen;
+    uint8_t *d = dst;
+    if (width < 2 || width > 16 || plen < 1 + 4)
+        return -1;
+    unsigned phase = p[0];
+    if (phase >= width || len < phase)
+        return -1;
+    size_t n = (len - phase) / width, body = n * width, r = len - phase - body;
+    p++;
+    if ((size_t)(end - p) < phase + r + 4)
+        return -1;
+    memcpy(d, p, phase);
+    p += phase;
+    memcpy(d + phase + body, p, r);
+    p += r;
+
+    /* width 2: the top section decodes straight into dst.  Wider: the two
+     * top planes and rANS-coded low planes go to scratch, raw low planes
+     * stay in the payload, and merge_ptrs interleaves them into dst. */
+    const uint8_t *pl[16];
+    uint8_t *scratch = NULL;
+    if (width > 2) {
+        scratch = malloc(body ? body : 1);
+        if (!scratch)
+            return -2;
+    }
+    int rc = -1;
+    for (unsigned j = 0; j + 1 < width; j++) {
+        /* Section order: the top 16 bits first, then planes 0 .. width - 3. */
+        unsigned vbits = j == 0 ? 16 : 8, plane = j - 1;
+        if (end - p < 5)
+            goto out;
+        unsigned mode = p[0];
+        size_t size = load32_le(p + 1);
+        p += 5;
+        if ((size_t)(end - p) < size)
+            goto out;
+        if (vbits == 16) {
+            uint8_t *lo = scratch + (width - 2) * n, *hi = scratch + (width - 1) * n;
+            pl[width - 2] = lo;
+            pl[width - 1] = hi;
+            if (mode == 0) {
+                if (size != 2 * n)
+                    goto out;
+                if (width == 2)
+                    memcpy(d + phase, p, size);
+                else
+                    split2(p, n, lo, hi);
+            } else if (mode >= 8 && mode <= 16) {
+                if (width == 2 ? rans_decode_u16(p, size, n, mode, d + phase)
+                               : rans_decode_planes(p, size, n, mode, hi, lo))
+                    goto out;
+            } else {
+                goto out;
+            }
+        } else if (mode == 0) {
+            if (size != n)
+                goto out;
+            pl[plane] = p;
+        } else if (mode == 8) {
+            if (rans_decode_u8(p, size, n, scratch + plane * n))
+                goto out;
+            pl[plane] = scratch + plane * n;
+        } else {
+            goto out;
+        }
+        p += size;
+    }
+    if (end - p != 4)
+        goto out;
+    if (width > 2)
+        merge_ptrs(pl, n, width, d + phase);
+    if (ckptfs_crc32c(0, d, len) != load32_le(p))
+        goto out;
+    rc = 0;
+out:
+    free(scratch);
+    return rc;
+}
+
+size_t ckptfs_rans8_encode(const void *src, size_t n, void *out, size_t cap)
+{
+    size_t lim = cap < n ? cap : n;
+    uint32_t *scratch = alloc_scratch(lim);
+    if (!scratch)
+        return 0;
+    vsrc v = {src, NULL, 1};
+    value_hist(&v, n, 8, 8, scratch);
+    unsigned u;
+    if (n && est_cost(scratch, 8, 8, n, &u) >= 8.0 * (double)lim) {
+        free(scratch); /* would not fit: skip the encoding */
+        return 0;
+    }
+    size_t k = n ? rans_encode(&v, n, 8, 8, scratch, scratch + ((size_t)1 << 16),
+                               FC_ESYMS(scratch), (uint8_t *)(scratch + FC_SCRATCH_WORDS), out,
+                               (uint8_t *)out + lim)
+                 : 0;
+    free(scratch);
+    return k;
+}
+
+int ckptfs_rans8_decode(const void *in, size_t in_len, void *dst, size_t n)
+{
+    if (n == 0)
+        return in_len == 0 ? 0 : -1;
+    return rans_decode_u8(in, in_len, n, dst);
+}
+
+/* -- load-time setup for the codec -- */
+
+static double ln_1_to_2(double x) /* ln(x) for x in [1, 2], no libm */
+{
+    double y = (x - 1) / (x + 1), y2 = y * y, term = y, sum = 0;
+    for (int k = 1; k < 60; k += 2) {
+        sum += term / k;
+        term *= y2;
+    }
+    return 2 * sum;
+}
+
+__attribute__((constructor))
+static void codec_init(void)
+{
+    for (int i = 0; i <= 1024; i++)
+        log2_frac[i] = (float)(ln_1_to_2(1.0 + i / 1024.0) / 0.69314718055994531);
+}

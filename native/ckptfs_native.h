@@ -85,4 +85,52 @@ size_t ckptfs_gear_cuts(ckptfs_gear_state *state, const void *buf, size_t len,
  * is none.  SSE2; the format hint parser's search for zip data descriptors. */
 size_t ckptfs_find4(const void *buf, size_t len, const void *needle);
 
+
+/* ---- chunk compression (ckptfs/codec.py, docs/COMPRESSION.md) ------------
+ *
+ * Byte planes: a buffer of n = len / width elements of width bytes, plus
+ * r = len % width trailing bytes.  Plane p holds byte p of every element;
+ * the planes are stored one after the other (plane p at p * n) and the r
+ * trailing bytes follow unchanged at width * n.  merge is the inverse.
+ * width >= 1; the buffers must not overlap. */
+void ckptfs_split_planes(const void *src, size_t len, size_t width, void *dst);
+void ckptfs_merge_planes(const void *src, size_t len, size_t width, void *dst);
+
+/* Guess how buf is laid out as little-endian floats, from its bytes alone.
+ * With width == 0: returns 2 (bf16/fp16), 4 (fp32) or 0 (not float-like).
+ * With width in 2..16: returns width (a hint taken as given).  In both cases
+ * *phase gets the offset, in [0, width), of the first whole element: the
+ * element boundary that makes byte width - 1 of each element the most
+ * predictable (sign and exponent).  *runs gets 1000 times the ratio of how
+ * often neighbouring elements have equal top bytes to how often independent
+ * draws would (about 1000: no sequential structure; more: worth trying an
+ * LZ coder).  Looks at up to 16 KiB sampled evenly. */
+unsigned ckptfs_float_layout(const void *buf, size_t len, unsigned width,
+                             unsigned *phase, unsigned *runs);
+
+/* CODEC_FLOAT payload (layout in docs/COMPRESSION.md) of len bytes of
+ * width-byte little-endian elements starting at offset phase: the top 16
+ * bits of each element are rANS-coded as a symbol of their top b bits
+ * (8 <= b <= max_bits <= 16, chosen per chunk) plus 16 - b raw bits, every
+ * lower byte plane raw or rANS-coded on its own; a CRC-32C of the chunk
+ * closes the payload.  Returns the payload size, or 0 if it would exceed cap
+ * (or the arguments are unusable: width outside 2..16, phase >= width,
+ * fewer than one element, len >= 2^32, out of memory). */
+size_t ckptfs_fc_encode(const void *src, size_t len, unsigned width,
+                        unsigned phase, unsigned max_bits, void *out,
+                        size_t cap);
+
+/* Decode a CODEC_FLOAT payload into exactly len bytes at dst.  Returns 0,
+ * or -1 if the payload is damaged in any way (malformed, short, long, CRC
+ * mismatch; dst then holds garbage), -2 if out of memory.  Bounded time and
+ * no out-of-bounds access for any input. */
+int ckptfs_fc_decode(const void *payload, size_t plen, unsigned width,
+                     void *dst, size_t len);
+
+/* One byte plane, order-0 rANS (the "rANS" plane method of CODEC_PLANES):
+ * encode returns the size written to out (at most cap), or 0 if that would
+ * not fit; decode fills exactly n bytes and returns 0, or -1 if damaged. */
+size_t ckptfs_rans8_encode(const void *src, size_t n, void *out, size_t cap);
+int ckptfs_rans8_decode(const void *in, size_t in_len, void *dst, size_t n);
+
 #endif
