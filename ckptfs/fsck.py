@@ -63,6 +63,7 @@ class Fsck:
     subdirs: Counter = field(default_factory=Counter)      # dir ino -> child dirs
     orphans: set[int] = field(default_factory=set)
     unreferenced: set[int] = field(default_factory=set)    # chunks no extent names
+    twins: int = 0                                         # chunks whose bytes another holds
 
     def problem(self, check: str, message: str, repair: Optional[Repair] = None) -> None:
         self.findings.append(Finding(check, message, repair))
@@ -220,18 +221,25 @@ class Fsck:
     def check_chunk_ids(self) -> None:
         """Every chunk with an id is found by it, and the id table names nothing else."""
         by_id: dict[bytes, int] = {}
+        twins = 0
         for chunk_no, chunk in self.chunks.items():
             if not chunk.chunk_id:
                 continue
             if chunk.chunk_id in by_id:
-                # Harmless for reads; the twin just never serves as a dedup target.
-                self.problem("chunk ids", f"chunks {by_id[chunk.chunk_id]} and {chunk_no} "
-                             "hold the same bytes (stored twice)")
+                # Bytes stored twice: data written with dedup=off gets its ids only
+                # when tiered. Harmless (the id table names one of them), not a fault.
+                if self.index.get("chunkids", chunk.chunk_id) not in (ix.u64(chunk_no),
+                                                                      ix.u64(by_id[chunk.chunk_id])):
+                    self.problem("chunk ids", f"chunks {by_id[chunk.chunk_id]} and {chunk_no} "
+                                 "hold the same bytes and the id table names neither")
+                twins += 1
                 continue
             by_id[chunk.chunk_id] = chunk_no
+        self.twins = twins
         for k, v in self.index.items("chunkids", bytes(ix.CHUNK_ID_BYTES), b"\xff" * 33):
             chunk_no = ix.read_u64(v)
-            if by_id.get(k) == chunk_no:
+            if by_id.get(k) == chunk_no or (k in by_id and self.chunks.get(chunk_no) is not None
+                                            and self.chunks[chunk_no].chunk_id == k):
                 del by_id[k]
             else:
                 self.problem("chunk ids", f"id {k.hex()[:16]}.. names chunk {chunk_no}, which "
@@ -496,6 +504,9 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
         checker.run()
         for f in checker.findings:
             print(f"problem [{f.check}] {f.message}", file=out)
+        if checker.twins:
+            print(f"note: {checker.twins} chunks hold bytes another chunk holds too (data "
+                  "written with dedup=off)", file=out)
         if not checker.findings:
             print(f"{opts.source}: clean ({len(checker.inodes)} inodes, "
                   f"{len(checker.chunks)} chunks)", file=out)

@@ -286,3 +286,19 @@ def test_gc_deletes_dead_packs_and_stale_manifests(make_mount, tmp_path, fsck_cl
     verify(m.path, second)
     assert not (m.path / "step_1").exists() and first
     check_clean(fsck_clean, m)
+
+
+def test_data_written_without_dedup_tiers_and_checks_clean(make_mount, fsck_clean):
+    """dedup=off stores twins; tiering names them; fsck notes them, finds no fault."""
+    m = make_mount(options=["pmem_size=128M", "dedup=off", "hot_versions=0"])
+    block = floats(MiB, 5)
+    write_file(m.path / "a.bin", block * 4)
+    write_file(m.path / "b.bin", block * 4)
+    tier_now(m, "--all")
+    m.umount()
+    res = m.fsck()
+    assert res.returncode == 0, res.stdout
+    assert "note:" in res.stdout
+    m.start()
+    assert read_file(m.path / "b.bin") == block * 4
+    check_clean(fsck_clean, m)
