@@ -586,24 +586,27 @@ class Tierer:
     # ---------------------------------------------------------- backpressure
 
     async def make_room(self, nbytes: int, timeout_s: float = 600.0) -> None:
-        """Wait while tiering frees log space for a writer; NoSpace if it cannot."""
+        """Wait while tiering frees log space for a writer; NoSpace if it cannot.
+
+        The log is full, so the pass moves every committed file not open,
+        the newest versions too, oldest first. Concurrent writers queue on
+        the pass lock; one whose pass finds nothing left to move gives up.
+        """
         started = time.monotonic()
         try:
             with trio.move_on_after(timeout_s):
                 while self.log.free_bytes < nbytes + (1 << 20):
                     before = self.log.free_bytes
-                    moved_event = self._moved
-                    self.wake(urgent=True)
-                    if not self._running:
-                        chunks, _, _ = self.plan(everything=True)
-                        if not chunks:
-                            raise NoSpace(f"log full ({self.log.free_bytes} bytes free) and "
-                                          "nothing committed is left to move out")
-                    await moved_event.wait()
-                    # Freed space comes back once the flip is durable.
+                    try:
+                        moved = await self.tier_once(everything=True, wait=True)
+                    except (CkptfsError, OSError) as e:
+                        self._failed(e)
+                        raise NoSpace(f"log full and tiering fails: {e}") from e
+                    # Moved chunks' space comes back once their flip is durable.
                     await self.index.wait_durable(self.index.current_seq())
-                    if self.last_error and self.log.free_bytes <= before:
-                        raise NoSpace(f"log full and tiering fails: {self.last_error}")
+                    if moved == 0 and self.log.free_bytes <= before:
+                        raise NoSpace(f"log full ({self.log.free_bytes} bytes free) and "
+                                      "nothing committed is left to move out")
                 return
             raise NoSpace(f"log full: tiering freed too little in {timeout_s:.0f} s")
         finally:
