@@ -55,6 +55,7 @@ SAFETENSORS_MAX_HEADER = 100_000_000
 
 _LOCAL = b"PK\x03\x04"
 _DESCRIPTOR = b"PK\x07\x08"
+_CENTRAL = b"PK\x01\x02"
 # What may follow a data descriptor: the next member, the central directory,
 # the zip64 end record, the end record.
 _AFTER_DESCRIPTOR = (b"PK\x03\x04", b"PK\x01\x02", b"PK\x06\x06", b"PK\x05\x06")
@@ -135,13 +136,13 @@ class ZipBoundaries:
     Keeps only a partial header or the few bytes of a possible descriptor.
     """
 
-    _HEADER, _SKIP, _SEARCH, _DONE = range(4)
+    _HEADER, _SKIP, _SEARCH, _DONE, _NEXT = range(5)
 
     def __init__(self) -> None:
         self.seen = 0  # bytes fed so far
         self._mode = self._HEADER
         self._at = 0  # HEADER: header start; SKIP: data end; SEARCH: data start
-        self._search = 0  # SEARCH: first offset not yet ruled out as a descriptor
+        self._search = 0  # SEARCH/NEXT: first offset not yet ruled out as a descriptor/header
         self._compressed = False
         self._tail = b""  # bytes [self._tail_at, self.seen) kept for the next feed
         self._tail_at = 0
@@ -157,7 +158,7 @@ class ZipBoundaries:
     @property
     def stable(self) -> int:
         """Every boundary below this offset has been reported."""
-        return self._tail_at if self._mode == self._SEARCH else self.seen
+        return self._tail_at if self._mode in (self._SEARCH, self._NEXT) else self.seen
 
     def feed(self, data: Buffer) -> list[int]:
         view = _as_bytes_view(data)
@@ -190,7 +191,7 @@ class ZipBoundaries:
     def _keep_tail(self) -> None:
         if self._mode == self._HEADER:
             keep = self._at
-        elif self._mode == self._SEARCH:
+        elif self._mode in (self._SEARCH, self._NEXT):
             keep = self._search
         else:
             keep = self.seen
@@ -209,6 +210,8 @@ class ZipBoundaries:
             return self._parse_header(out)
         if self._mode == self._SEARCH:
             return self._find_descriptor(out)
+        if self._mode == self._NEXT:
+            return self._find_next_zip(out)
         return False
 
     def _parse_header(self, out: list[int]) -> bool:
@@ -216,11 +219,16 @@ class ZipBoundaries:
         fixed = self._bytes(start, start + 30)
         if fixed is None:
             sig = self._bytes(start, min(start + 4, self.seen)) or b""
-            if not _LOCAL.startswith(sig):
+            if not (_LOCAL.startswith(sig) or _CENTRAL.startswith(sig)):
                 self._mode = self._DONE
             return False
         (sig, _version, flags, method, _time, _date, _crc, csize, usize, name_len,
          extra_len) = _LOCAL_HEADER.unpack(fixed)
+        if sig == _CENTRAL:
+            # This zip's directory: another zip may follow it.
+            self._mode = self._NEXT
+            self._search = start
+            return True
         if sig != _LOCAL:
             self._mode = self._DONE
             return False
@@ -292,6 +300,31 @@ class ZipBoundaries:
                 self._at = q + verdict
                 return True
             self._search = q + 1
+
+    def _find_next_zip(self, out: list[int]) -> bool:
+        """After a central directory: where the next zip's first local header is."""
+        base, view = self._base, self._view
+        q = self._search
+        if q < base:
+            region = self._bytes(q, min(self.seen, base + 3)) or b""
+            hit = region.find(_LOCAL)
+            q = q + hit if hit >= 0 else base
+        if q >= base:
+            hit = native.find4(view, _LOCAL, q - base)
+            if hit < 0:
+                end = self.seen
+                for k in (3, 2, 1):
+                    if end - k >= self._search and self._bytes(end - k, end) == _LOCAL[:k]:
+                        self._search = end - k
+                        break
+                else:
+                    self._search = end
+                return False
+            q = base + hit
+        out.append(q)           # the directory and end record end here: a chunk of their own
+        self._mode = self._HEADER
+        self._at = q
+        return True
 
     def _check_descriptor(self, q: int) -> Optional[int]:
         """Length of the data descriptor at ``q`` (16 or 24), 0 if there is

@@ -447,7 +447,30 @@ def test_zip_parser_incremental(tmp_path: Path) -> None:
             assert parser.seen - parser.stable <= 27
             got += new
             pos += n
-        assert got == expect and parser.done
+        assert got == expect and not parser.done   # it looks for a zip after this one
+
+
+def test_zips_back_to_back_are_all_parsed(tmp_path: Path) -> None:
+    """A .distcp file: torch.save archives one after another."""
+    torch, sd = _state_dict()
+    blobs = []
+    for i in range(3):
+        path = tmp_path / f"part{i}.pt"
+        torch.save({k: v + i for k, v in sd.items()}, path)
+        blobs.append(path.read_bytes())
+    raw = b"".join(blobs)
+    want: list[int] = []
+    at = 0
+    for blob in blobs:
+        if at:
+            want.append(at)                   # where the next zip starts
+        want += [at + b for b in formats.torch_zip_boundaries(blob)]
+        at += len(blob)
+    for n in (1, 7, 4096, len(raw)):
+        parser, got = formats.ZipBoundaries(), []
+        for pos in range(0, len(raw), n):
+            got += parser.feed(raw[pos:pos + n])
+        assert got == want
 
 
 def test_zip_parser_not_fooled_by_descriptor_lookalikes(tmp_path: Path) -> None:
