@@ -82,11 +82,28 @@ def test_unknown_option(make_mount):
 
 def test_option_missing_value_and_bad_size(make_mount):
     m = make_mount(start=False)
-    for opt in ("pmem_size", "pmem_size=12X", "sync=sometimes", "debug=1"):
+    for opt in ("pmem_size", "pmem_size=12X", "sync=sometimes", "debug=1", "dedup=maybe",
+                "tiering=yes", "hot_versions=-1", "hot_versions=two", "metrics_port=0",
+                "metrics_port=99999", "backing"):
         res = helper(str(m.source), str(m.path), "-o", opt)
         assert res.returncode == 2, opt
         one_line(res.stderr)
         assert not is_mounted(m.path)
+
+
+@pytest.mark.parametrize("cmd", ["mount", "umount", "stat", "fsck", "sync", "export", "gc",
+                                 "recover", "tier"])
+def test_every_subcommand_has_help(cmd):
+    res = run_ckptfs(cmd, "--help")
+    assert res.returncode == 0 and res.stdout.startswith("usage: ckptfs " + cmd), res.stdout
+
+
+def test_subcommands_on_a_directory_that_is_not_mounted(tmp_path):
+    for args in (["gc", str(tmp_path)], ["tier", str(tmp_path), "--now"],
+                 ["sync", str(tmp_path)]):
+        res = run_ckptfs(*args, check=False)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, args
+        one_line(res.stderr)
 
 
 def test_missing_mountpoint(tmp_path):
