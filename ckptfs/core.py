@@ -87,6 +87,7 @@ class Filesystem:
         self.started_at = time.time()
         self.errors_by_kind: dict[str, int] = {}
         self.tierer = None          # tier.Tierer when a backing store is attached
+        self._prefetch_horizon: dict[int, int] = {}   # ino -> file offset prefetched to
         self._log_full_warned_at = -1e9
 
     # ------------------------------------------------------------- lifecycle
@@ -164,6 +165,7 @@ class Filesystem:
             self.lookups[ino] = left
             return
         self.lookups.pop(ino, None)
+        self._prefetch_horizon.pop(ino, None)
         self._maybe_purge(ino)
 
     def setattr(self, ino: int, *, mode: Optional[int] = None, uid: Optional[int] = None,
@@ -388,15 +390,26 @@ class Filesystem:
         return data
 
     def _cold_ahead(self, ino: int, off: int, file_size: int) -> list[ix.Chunk]:
-        """Cold chunks a sequential reader of ino will want next."""
+        """Cold chunks a sequential reader of ino will want next, not asked for yet.
+
+        Each read continues from where the last one's look-ahead stopped, so a
+        sequential restore scans every extent once, not once per read.
+        """
         want = self.tierer.policy.prefetch_chunks
+        horizon = self._prefetch_horizon.get(ino, 0)
+        if horizon > off + want * 32 * 1024:
+            return []               # far enough ahead already
+        start = max(off, horizon) if horizon <= off + (64 << 20) else off
         out = []
-        for e in ix.iter_extents(self.index, ino, off, file_size):
+        end = start
+        for e in ix.iter_extents(self.index, ino, start, file_size):
+            end = e.end
             chunk = ix.get_chunk(self.index, e.chunk_no)
             if chunk is not None and chunk.kind == ix.CHUNK_PACK:
                 out.append(chunk)
                 if len(out) >= want:
                     break
+        self._prefetch_horizon[ino] = max(end, start)
         return out
 
     async def _cut_for_commit(self, df: DirtyFile) -> None:

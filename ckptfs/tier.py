@@ -44,7 +44,7 @@ import trio
 
 from . import codec
 from . import index as ix
-from . import packs
+from . import native, packs
 from .backing.base import Backend
 from .chunker import chunk_id
 from .errors import CkptfsError, DamagedData, NoSpace
@@ -53,6 +53,7 @@ from .index import CHUNK_LOG, CHUNK_PACK, Chunk, Inode
 log = logging.getLogger(__name__)
 
 MANIFEST_DIR = "manifests"
+PREFETCH_BATCH = 8               # cold chunks per prefetch call
 
 
 @dataclass
@@ -64,7 +65,7 @@ class TierPolicy:
     pack_bytes: int = 64 << 20       # logical bytes per pack
     version_gap_s: float = 120.0     # commits of one directory this close are one version
     cache_bytes: int = 256 << 20     # decoded cold chunks kept for reads
-    prefetch_chunks: int = 32        # chunks read ahead of a sequential cold read
+    prefetch_chunks: int = 128       # chunks read ahead of a sequential cold read
 
 
 @dataclass
@@ -107,47 +108,98 @@ class ColdStore:
 
     def get(self, chunk: Chunk) -> bytes:
         """The chunk's bytes, verified. May block."""
-        key = chunk.chunk_id
         while True:
-            with self._lock:
-                data = self._cache.get(key)
-                if data is not None:
-                    self._cache.move_to_end(key)
-                    self.hits += 1
-                    return data
-                waiting = self._fetching.get(key)
-                if waiting is None:
-                    self._fetching[key] = threading.Event()
-                    break
-            waiting.wait()          # another thread is fetching it: use its result
+            data = self._cached_or_claim(chunk)
+            if isinstance(data, bytes):
+                return data
+            if data is not None:
+                data.wait()         # another thread is fetching it: use its result
+                continue
+            self._fetch_claimed([chunk])
+            data = self._cached_or_claim(chunk, claim=False)
+            if isinstance(data, bytes):
+                return data
+            # Too big to cache (never for real chunks): fetch it for ourselves.
+            return self._decode(chunk, self._payloads([chunk])[0])
+
+    def get_many(self, chunks: list[Chunk]) -> None:
+        """Fetch chunks into the cache, neighbours in a pack with one read. May block."""
+        mine = [c for c in chunks if self._cached_or_claim(c) is None]
+        if mine:
+            self._fetch_claimed(mine)
+
+    def _cached_or_claim(self, chunk: Chunk, claim: bool = True):
+        """Cached bytes, or the Event of a fetch in flight, or None (now ours to fetch)."""
+        key = chunk.chunk_id
+        with self._lock:
+            data = self._cache.get(key)
+            if data is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return data
+            waiting = self._fetching.get(key)
+            if waiting is not None:
+                return waiting
+            if claim:
+                self._fetching[key] = threading.Event()
+            return None
+
+    def _fetch_claimed(self, chunks: list[Chunk]) -> None:
         try:
-            data = self._fetch(chunk)
+            for chunk, payload in zip(chunks, self._payloads(chunks)):
+                data = self._decode(chunk, payload)
+                with self._lock:
+                    if chunk.chunk_id not in self._cache and len(data) <= self.cache_limit:
+                        self._cache[chunk.chunk_id] = data
+                        self._cached_bytes += len(data)
+                        while self._cached_bytes > self.cache_limit:
+                            _, old = self._cache.popitem(last=False)
+                            self._cached_bytes -= len(old)
+                    self._fetching.pop(chunk.chunk_id).set()
         finally:
             with self._lock:
-                self._fetching.pop(key).set()
-        with self._lock:
-            if key not in self._cache and len(data) <= self.cache_limit:
-                self._cache[key] = data
-                self._cached_bytes += len(data)
-                while self._cached_bytes > self.cache_limit:
-                    _, old = self._cache.popitem(last=False)
-                    self._cached_bytes -= len(old)
-        return data
+                for chunk in chunks:
+                    ev = self._fetching.pop(chunk.chunk_id, None)
+                    if ev is not None:
+                        ev.set()
 
-    def _fetch(self, chunk: Chunk) -> bytes:
-        entry = packs.PackEntry(chunk.chunk_id, chunk.pack_off, chunk.stored_length,
-                                chunk.length, chunk.codec, chunk.codec_param, chunk.payload_crc)
+    def _payloads(self, chunks: list[Chunk]) -> list[bytes]:
+        """Stored payloads, CRC-checked; a run of neighbours in one pack is one read."""
+        out: list[bytes] = []
+        i = 0
+        while i < len(chunks):
+            j = i + 1
+            while (j < len(chunks) and chunks[j].pack_no == chunks[i].pack_no
+                   and chunks[j].pack_off == chunks[j - 1].pack_off + chunks[j - 1].stored_length):
+                j += 1
+            first, last = chunks[i], chunks[j - 1]
+            name = packs.pack_name(first.pack_no)
+            try:
+                span = self.backend.read(name, first.pack_off,
+                                         last.pack_off + last.stored_length - first.pack_off)
+            except CkptfsError as e:
+                raise DamagedData(f"cold chunk {first.chunk_no} in {name}: {e}") from e
+            view = memoryview(span)
+            for c in chunks[i:j]:
+                payload = view[c.pack_off - first.pack_off:][:c.stored_length]
+                if native.crc32c(payload) != c.payload_crc:
+                    raise DamagedData(f"cold chunk {c.chunk_no} in {name}: payload checksum "
+                                      "mismatch")
+                out.append(payload)
+            i = j
+        self.fetches += len(chunks)
+        self.fetched_bytes += sum(c.stored_length for c in chunks)
+        return out
+
+    def _decode(self, chunk: Chunk, payload) -> bytes:
         name = packs.pack_name(chunk.pack_no)
         try:
-            payload = packs.read_payload(self.backend, name, entry)
             data = codec.decode_chunk(chunk.codec, chunk.codec_param, payload, chunk.length)
         except CkptfsError as e:
             raise DamagedData(f"cold chunk {chunk.chunk_no} in {name}: {e}") from e
         if chunk_id(data) != chunk.chunk_id:
             raise DamagedData(f"cold chunk {chunk.chunk_no} in {name}: bytes do not match "
                               "the chunk id")
-        self.fetches += 1
-        self.fetched_bytes += chunk.stored_length
         return data
 
 
@@ -615,16 +667,18 @@ class Tierer:
     # -------------------------------------------------------------- prefetch
 
     def prefetch(self, chunks: list[Chunk]) -> None:
-        """Fetch these cold chunks into the cache in the background."""
+        """Fetch these cold chunks into the cache in the background, a few per
+        worker-thread call (neighbours in a pack come with one read)."""
         if self._nursery is None:
             return
-        for chunk in chunks:
-            if not self.cold.cached(chunk):
-                self._nursery.start_soon(self._prefetch_one, chunk)
+        todo = [c for c in chunks if not self.cold.cached(c)]
+        for i in range(0, len(todo), PREFETCH_BATCH):
+            self._nursery.start_soon(self._prefetch_batch, todo[i:i + PREFETCH_BATCH])
 
-    async def _prefetch_one(self, chunk: Chunk) -> None:
+    async def _prefetch_batch(self, chunks: list[Chunk]) -> None:
         try:
-            await trio.to_thread.run_sync(self.cold.get, chunk, limiter=self.prefetch_limiter)
+            await trio.to_thread.run_sync(self.cold.get_many, chunks,
+                                          limiter=self.prefetch_limiter)
         except CkptfsError:
             pass            # the read that needs it reports the error
 
