@@ -246,6 +246,7 @@ class Tierer:
         self.longest_wait_s = 0.0
         self._planned_seq = -1
         self._nearly_full = False
+        self._writers_waiting = 0
 
     # ------------------------------------------------------------- the task
 
@@ -415,7 +416,8 @@ class Tierer:
     # ------------------------------------------------------------- a round
 
     async def tier_once(self, everything: bool = False,
-                        progress: Optional[Progress] = None, wait: bool = False) -> int:
+                        progress: Optional[Progress] = None, wait: bool = False,
+                        until_free: Optional[int] = None) -> int:
         """Move what the plan says is cold; return the logical bytes moved.
 
         One pass (or gc) at a time; a background pass finding one running skips.
@@ -426,14 +428,17 @@ class Tierer:
             self._running = True
             self.state = "moving"
             try:
-                return await self._pass(everything, progress)
+                return await self._pass(everything, progress, until_free)
             finally:
                 self._running = False
                 self.state = "idle" if self.last_error is None else "retrying"
                 self._moved.set()
                 self._moved = trio.Event()
 
-    async def _pass(self, everything: bool, progress: Optional[Progress]) -> int:
+    async def _pass(self, everything: bool, progress: Optional[Progress],
+                    until_free: Optional[int] = None) -> int:
+        """One pass. until_free: a writer waits; stop once the log has that much
+        free. A background pass stops early too when a writer waits for room."""
         self._urgent = False
         self._planned_seq = self.index.durable_seq
         chunks, cold, paths = self.plan(everything)
@@ -448,6 +453,12 @@ class Tierer:
                 progress.done_bytes += sum(c.length for c in batch)
             self._moved.set()
             self._moved = trio.Event()
+            if until_free is not None:
+                await self.index.wait_durable(self.index.current_seq())
+                if self.log.free_bytes >= until_free:
+                    break
+            elif self._writers_waiting and progress is None:
+                break               # let the waiting writer's pass have the lock
         await self._write_manifests(cold, paths)
         self.rounds += 1
         self.last_error = None
@@ -650,7 +661,14 @@ class Tierer:
                 while self.log.free_bytes < nbytes + (1 << 20):
                     before = self.log.free_bytes
                     try:
-                        moved = await self.tier_once(everything=True, wait=True)
+                        self._writers_waiting += 1
+                        try:
+                            # Room for this write and a few like it, not a full pass.
+                            moved = await self.tier_once(
+                                everything=True, wait=True,
+                                until_free=nbytes + self.policy.pack_bytes + (1 << 20))
+                        finally:
+                            self._writers_waiting -= 1
                     except (CkptfsError, OSError) as e:
                         self._failed(e)
                         raise NoSpace(f"log full and tiering fails: {e}") from e
