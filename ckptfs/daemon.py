@@ -347,15 +347,26 @@ async def _watch_signals() -> None:
 
 
 def _raise_read_ahead(mountpoint: str) -> None:
-    """Best effort: bigger read requests (1 MiB) make sequential restores faster."""
+    """Best effort: bigger read requests (1 MiB) make sequential restores faster.
+
+    The kernel may set the value back when FUSE INIT completes, after this
+    first ran: look again for a few seconds and set it again if so.
+    """
     dev = mount_device(mountpoint)
     if dev is None:
         return
-    try:
-        with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
-            f.write(str(READ_AHEAD_KB))
-    except OSError as e:
-        log.debug("could not raise read-ahead for %s: %s", mountpoint, e)
+    path = f"/sys/class/bdi/{dev}/read_ahead_kb"
+    for _ in range(5):
+        try:
+            with open(path) as f:
+                current = int(f.read().strip() or 0)
+            if current != READ_AHEAD_KB:
+                with open(path, "w") as f:
+                    f.write(str(READ_AHEAD_KB))
+        except (OSError, ValueError) as e:
+            log.debug("could not raise read-ahead for %s: %s", mountpoint, e)
+            return
+        time.sleep(1.0)
 
 
 def mount_device(mountpoint: str) -> Optional[str]:

@@ -78,6 +78,7 @@ class Version:
     parent: int
     newest_ns: int
     files: list[Inode] = field(default_factory=list)
+    oldest_ns: int = 0
 
     @property
     def data_bytes(self) -> int:
@@ -414,8 +415,10 @@ class Tierer:
             current: Optional[Version] = None
             for inode in inodes:
                 alone = parent == ix.ROOT_INO
-                if current is None or alone or inode.mtime_ns - current.newest_ns > gap_ns:
-                    current = Version(parent, inode.mtime_ns)
+                # Measured from the version's first file, so saves every minute into
+                # one directory still make a version per save, not one forever.
+                if current is None or alone or inode.mtime_ns - current.oldest_ns > gap_ns:
+                    current = Version(parent, inode.mtime_ns, oldest_ns=inode.mtime_ns)
                     versions.append(current)
                 current.files.append(inode)
                 current.newest_ns = inode.mtime_ns
@@ -440,22 +443,37 @@ class Tierer:
         cold = [] if everything else versions[self.policy.hot_versions:]
         if everything:
             cold = versions
-        # Over the high watermark: hot versions go too, oldest first.
+        keep: set[int] = set(self.files.pinned)
+        for ino in open_inos:
+            keep.update(e.chunk_no for e in ix.iter_extents(self.index, ino))
+        hot_chunks: set[int] = set()
+        for v in hot:
+            for inode in v.files:
+                hot_chunks.update(e.chunk_no for e in ix.iter_extents(self.index, inode.ino))
+        chosen: dict[int, Chunk] = {}
+        self._choose(cold, keep | hot_chunks, open_inos, chosen)
+        # Over the high watermark: hot versions go too, oldest first, until what
+        # this pass moves brings the log under the low watermark.
         if not everything and self.log_use() > self.policy.high_watermark:
             excess = (self.log_use() - self.policy.low_watermark) * self.log.capacity_bytes
-            excess -= sum(v.data_bytes for v in cold)
+            excess -= sum(c.length for c in chosen.values())
             while hot and excess > 0:
                 v = hot.pop()
                 cold.append(v)
-                excess -= v.data_bytes
-        keep: set[int] = set(self.files.pinned)
-        for v in hot:
-            for inode in v.files:
-                keep.update(e.chunk_no for e in ix.iter_extents(self.index, inode.ino))
-        for ino in open_inos:
-            keep.update(e.chunk_no for e in ix.iter_extents(self.index, ino))
-        chosen: dict[int, Chunk] = {}
-        for v in reversed(cold):                       # oldest first
+                before = sum(c.length for c in chosen.values())
+                hot_chunks = set()
+                for other in hot:
+                    for inode in other.files:
+                        hot_chunks.update(e.chunk_no for e in ix.iter_extents(self.index,
+                                                                              inode.ino))
+                self._choose([v], keep | hot_chunks, open_inos, chosen)
+                excess -= sum(c.length for c in chosen.values()) - before
+        return list(chosen.values()), cold, paths
+
+    def _choose(self, versions: list[Version], keep: set[int], open_inos: set[int],
+                chosen: dict[int, Chunk]) -> None:
+        """Add the chunks of these versions that are still in the log, oldest first."""
+        for v in reversed(versions):
             for inode in v.files:
                 if inode.ino in open_inos:
                     continue
@@ -465,7 +483,6 @@ class Tierer:
                     chunk = ix.get_chunk(self.index, e.chunk_no)
                     if chunk is not None and chunk.kind == CHUNK_LOG:
                         chosen[e.chunk_no] = chunk
-        return list(chosen.values()), cold, paths
 
     # ------------------------------------------------------------- a round
 

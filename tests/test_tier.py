@@ -302,3 +302,29 @@ def test_data_written_without_dedup_tiers_and_checks_clean(make_mount, fsck_clea
     m.start()
     assert read_file(m.path / "b.bin") == block * 4
     check_clean(fsck_clean, m)
+
+
+def test_saves_into_one_directory_are_separate_versions(make_mount):
+    """Saves into one flat directory: each is a version, not one version forever
+    (versions span at most 120 s from their first file, so they never chain)."""
+    from ckptfs import daemon as dmod
+    from ckptfs.core import CommitPolicy, Filesystem
+    from ckptfs.options import parse_options
+    from ckptfs.tier import Tierer, TierPolicy
+
+    m = make_mount(options=["pmem_size=128M", "tiering=off"])
+    d = m.path / "ckpts"
+    d.mkdir()
+    now = time.time()
+    for i in range(4):
+        write_file(d / f"step_{i}.pt", pattern(64 * KiB, i))
+        t = now - (4 - i) * 180                         # written 3 minutes apart
+        os.utime(d / f"step_{i}.pt", (t, t))
+    m.umount()
+    state = dmod.open_state(parse_options(str(m.source), str(m.path), ["tiering=off"]))
+    try:
+        fs = Filesystem(state.index, state.log, state.sources, CommitPolicy())
+        versions, _ = Tierer(fs, state.backend, TierPolicy(), state.fs_uuid).versions()
+        assert sorted(len(v.files) for v in versions) == [1, 1, 1, 1], versions
+    finally:
+        state.close()
