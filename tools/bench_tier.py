@@ -49,7 +49,12 @@ fresh: SOURCE, MOUNTPOINT and backing store are three directories under --dir
     median save, next to stat's tier_longest_writer_wait_s (the longest wait
     of a writer for log room). Target: no stall over 1 s. Then: caches dropped,
     sha256 of every file through the mount against the plain copy; unmount;
-    `ckptfs fsck SRC` must exit 0.
+    `ckptfs fsck SRC` must exit 0. A save still running after --hang-timeout
+    seconds (default 120) is a hang: stat and the daemon log's tail are
+    recorded, the mount's FUSE connection aborted, the saver killed, and fsck
+    run on what is left.
+
+--report FILE prints the tables of an earlier run from its --json file.
 
 Everything (mounts, logs, stores, plain copies) is under --dir and deleted at
 the end, also on failure, Ctrl-C or SIGTERM (unmount, lazy unmount after
@@ -608,10 +613,11 @@ def part_c(args: argparse.Namespace, work: Path, plain: Path, gen: dict, period:
     rec["samples"] = sampler.samples
     saved = json.loads(result.read_text()) if result.exists() else {"saves": []}
     rec["saves"] = saved["saves"]
+    save_stats(rec, sampler.samples)
     if hung:
         cur = saved["current"]
         rec["error"] = (f"hang: save {cur['index']} ({Path(cur['dir']).name}) still running "
-                        f"after {time.time() - cur['start_epoch']:.0f} s")
+                        f"after {time.time() - cur['start_epoch']:.1f} s")
         log(f"    {rec['error']}; recording the daemon's state, then aborting the mount")
         with contextlib.suppress(Exception):
             rec["stat_end"] = m.stats()
@@ -632,16 +638,8 @@ def part_c(args: argparse.Namespace, work: Path, plain: Path, gen: dict, period:
         rec["daemon_log_tail"] = daemon_log_tail(m)
     rec["stat_end"] = m.stats()
     done = [x for x in rec["saves"] if "error" not in x]
-    secs = [x["seconds"] for x in done]
-    for x in rec["saves"]:
-        x["mover_overlap"] = mover_overlap(sampler.samples, x["start_epoch"],
-                                          x["start_epoch"] + x["seconds"])
-    if secs:
-        rec["save_median_s"] = median(secs)
-        rec["save_max_s"] = max(secs)
-        rec["stall_s"] = rec["save_max_s"] - rec["save_median_s"]
     rec["longest_writer_wait_s"] = rec["stat_end"]["tier_longest_writer_wait_s"]
-    if secs:
+    if done:
         log(f"    saves: median {rec['save_median_s']:.2f} s, longest {rec['save_max_s']:.2f} s; "
             f"tier_longest_writer_wait_s {rec['longest_writer_wait_s']}")
     # every file saved reads back: through the mount (log and packs), caches dropped
@@ -663,6 +661,18 @@ def part_c(args: argparse.Namespace, work: Path, plain: Path, gen: dict, period:
         f"fsck exit {rec['fsck']['exit']} ({rec['fsck']['seconds']:.0f} s)")
     m.remove()
     return rec
+
+
+def save_stats(rec: dict, samples: list[dict]) -> None:
+    """Median, longest and stall over the completed saves; which overlapped a pass."""
+    for x in rec["saves"]:
+        x["mover_overlap"] = mover_overlap(samples, x["start_epoch"],
+                                          x["start_epoch"] + x["seconds"])
+    secs = [x["seconds"] for x in rec["saves"] if "error" not in x]
+    if secs:
+        rec["save_median_s"] = median(secs)
+        rec["save_max_s"] = max(secs)
+        rec["stall_s"] = rec["save_max_s"] - rec["save_median_s"]
 
 
 def daemon_log_tail(m: Mount, lines: int = 15) -> list[str]:
