@@ -266,30 +266,36 @@ class ZipBoundaries:
             pos += 4 + size
         return None
 
-    def _find_descriptor(self, out: list[int]) -> bool:
+    def _scan_for(self, sig: bytes) -> Optional[int]:
+        """First offset at or after the search position where the 4-byte sig
+        starts, or None (the search position then moves to a partial sig at
+        the very end, or to the end)."""
         base, view = self._base, self._view
+        q = self._search
+        if q < base:
+            # One starting in the kept tail: search tail + 3 bytes.
+            region = self._bytes(q, min(self.seen, base + 3)) or b""
+            hit = region.find(sig)
+            q = q + hit if hit >= 0 else base
+        if q >= base:
+            hit = native.find4(view, sig, q - base)
+            if hit < 0:
+                end = self.seen
+                for k in (3, 2, 1):
+                    if end - k >= self._search and self._bytes(end - k, end) == sig[:k]:
+                        self._search = end - k
+                        break
+                else:
+                    self._search = end
+                return None
+            q = base + hit
+        return q
+
+    def _find_descriptor(self, out: list[int]) -> bool:
         while True:
-            q = self._search
-            if q < base:
-                # A descriptor starting in the kept tail: search tail + 3 bytes.
-                region = self._bytes(q, min(self.seen, base + 3))
-                if region is None:  # pragma: no cover - the tail covers q
-                    return False
-                hit = region.find(_DESCRIPTOR)
-                q = q + hit if hit >= 0 else base
-            if q >= base:
-                hit = native.find4(view, _DESCRIPTOR, q - base)
-                if hit < 0:
-                    # None in full: resume at a partial one at the very end.
-                    end = self.seen
-                    for k in (3, 2, 1):
-                        if end - k >= self._search and self._bytes(end - k, end) == _DESCRIPTOR[:k]:
-                            self._search = end - k
-                            break
-                    else:
-                        self._search = end
-                    return False
-                q = base + hit
+            q = self._scan_for(_DESCRIPTOR)
+            if q is None:
+                return False
             verdict = self._check_descriptor(q)
             if verdict is None:  # needs bytes that have not arrived
                 self._search = q
@@ -303,24 +309,9 @@ class ZipBoundaries:
 
     def _find_next_zip(self, out: list[int]) -> bool:
         """After a central directory: where the next zip's first local header is."""
-        base, view = self._base, self._view
-        q = self._search
-        if q < base:
-            region = self._bytes(q, min(self.seen, base + 3)) or b""
-            hit = region.find(_LOCAL)
-            q = q + hit if hit >= 0 else base
-        if q >= base:
-            hit = native.find4(view, _LOCAL, q - base)
-            if hit < 0:
-                end = self.seen
-                for k in (3, 2, 1):
-                    if end - k >= self._search and self._bytes(end - k, end) == _LOCAL[:k]:
-                        self._search = end - k
-                        break
-                else:
-                    self._search = end
-                return False
-            q = base + hit
+        q = self._scan_for(_LOCAL)
+        if q is None:
+            return False
         out.append(q)           # the directory and end record end here: a chunk of their own
         self._mode = self._HEADER
         self._at = q
