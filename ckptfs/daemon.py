@@ -1,11 +1,12 @@
 """Daemon lifecycle: open the state, mount, serve, commit, unmount.
 
 `mount` (used by `mount.ckptfs` and `ckptfs mount`) validates the options,
-then starts the daemon as a fresh process (`python -m ckptfs.daemon`) and
-waits on a pipe until the daemon reports that the mount is live, or why it
-is not: so the command returns 0 only for a live mount and prints one clear
-line otherwise. No fork inside trio, no double fork: the daemon is a new
-session started by subprocess.
+then starts the daemon as a fresh process (the same Python, importing the
+very `ckptfs` package the caller imported, in `/`) and waits on a pipe until
+the daemon reports that the mount is live, or why it is not: so the command
+returns 0 only for a live mount and prints one clear line otherwise. No fork
+inside trio, no double fork: the daemon is a new session started by
+subprocess.
 
 Order at start (all before the mount hides SOURCE): state dir, lock, index
 (format and adopt the existing tree on first use), log, recovery; then
@@ -425,11 +426,12 @@ def mount(opts: MountOptions) -> int:
     if opts.foreground:
         return serve(opts)
     read_fd, write_fd = os.pipe()
-    cmd = [sys.executable, "-m", "ckptfs.daemon", "--ready-fd", str(write_fd),
-           opts.source, opts.mountpoint, "-o", opts.to_option_string()]
+    cmd = daemon_command() + ["--ready-fd", str(write_fd), opts.source, opts.mountpoint,
+                              "-o", opts.to_option_string()]
     with open(os.devnull, "rb") as devnull_in, open(os.devnull, "wb") as devnull_out:
+        # cwd /: the daemon keeps no directory of the caller's busy.
         proc = subprocess.Popen(cmd, stdin=devnull_in, stdout=devnull_out, stderr=subprocess.PIPE,
-                                pass_fds=(write_fd,), start_new_session=True)
+                                pass_fds=(write_fd,), start_new_session=True, cwd="/")
     os.close(write_fd)
     with os.fdopen(read_fd, "rb") as ready:
         line = ready.readline().decode(errors="replace").strip()
@@ -445,8 +447,31 @@ def mount(opts: MountOptions) -> int:
     return 1
 
 
+# `python -m ckptfs.daemon` would put the current directory first on sys.path,
+# and a `ckptfs/` folder there (the clone, where a user stands after `git
+# clone`) would shadow the package. Instead the daemon drops the current
+# directory and imports ckptfs from the directory the caller's package lies in.
+_DAEMON_BOOT = ("import sys; "
+                "sys.path[:] = [sys.argv.pop(1)] + [p for p in sys.path if p != '']; "
+                "from ckptfs.daemon import daemon_main; sys.exit(daemon_main())")
+
+
+def daemon_command() -> list[str]:
+    """argv that starts a daemon running exactly this process's ckptfs package."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return [sys.executable, "-c", _DAEMON_BOOT, package_parent]
+
+
+def daemon_main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of the daemon process (see `daemon_command`)."""
+    try:
+        return _daemon_main(argv)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+
+
 def _daemon_main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ckptfs.daemon")
+    p = argparse.ArgumentParser(prog="ckptfs.daemon")
     p.add_argument("--ready-fd", type=int, required=True)
     p.add_argument("source")
     p.add_argument("mountpoint")
@@ -462,7 +487,4 @@ def _daemon_main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(_daemon_main())
-    except KeyboardInterrupt:
-        sys.exit(128 + signal.SIGINT)
+    sys.exit(daemon_main())

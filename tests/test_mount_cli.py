@@ -57,6 +57,31 @@ def test_mount_returns_only_when_live(make_mount):
     m.pid = m.stat()["pid"]
 
 
+@pytest.mark.parametrize("where", ["clone_parent", "root", "unrelated_package"])
+def test_daemon_runs_the_callers_package_from_any_directory(make_mount, tmp_path, where):
+    """Where a user stands must not matter: right after `git clone` the current
+    directory holds the clone, a `ckptfs/` folder that `python -m` would import."""
+    m = make_mount(start=False)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    if where == "root":
+        cwd = "/"
+    elif where == "clone_parent":
+        (cwd / "ckptfs").symlink_to(REPO)
+    else:
+        (cwd / "ckptfs").mkdir()
+        (cwd / "ckptfs" / "__init__.py").write_text("raise ImportError('not the ckptfs')\n")
+    res = subprocess.run(MOUNT_HELPER + [str(m.source), str(m.path), "-o", "pmem_size=64M"],
+                         capture_output=True, text=True, timeout=60, cwd=cwd)
+    assert res.returncode == 0, res.stderr
+    m.pid = m.stat()["pid"]
+    with open(f"/proc/{m.pid}/maps") as f:
+        assert str(REPO / "ckptfs" / "_native") in f.read(), "daemon runs another ckptfs"
+    assert os.readlink(f"/proc/{m.pid}/cwd") == "/", "daemon keeps the caller's directory busy"
+    write_file(m.path / "f", b"x")
+    m.umount()
+
+
 def test_ckptfs_mount_subcommand(make_mount):
     m = make_mount(start=False, over_itself=False)
     res = run_ckptfs("mount", str(m.source), str(m.path), "-o", "pmem_size=64M", check=False)
