@@ -32,8 +32,9 @@ OPTIONS: dict[str, tuple[bool, str]] = {
                          "wait for it (default 1)"),
     "dedup": (True, "on (default): store bytes already stored (by any file, any version) "
                     "only once; off: store every write as written"),
-    "backing": (True, "backing store directory cold chunks move to, compressed "
-                      "(default SOURCE/.ckptfs/store; in production a shared filesystem)"),
+    "backing": (True, "backing store cold chunks move to, compressed: an absolute "
+                      "directory path or file:///DIR (default SOURCE/.ckptfs/store; in "
+                      "production a shared filesystem)"),
     "hot_versions": (True, "checkpoint versions kept hot in the log (default 2); older ones "
                            "move to the backing store"),
     "tiering": (True, "on (default): move cold versions to the backing store in the "
@@ -186,7 +187,8 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
             raise UsageError(f"dedup must be 'on' or 'off', not {value!r}")
         opts.dedup = value == "on"
     elif name == "backing":
-        opts.backing = os.path.abspath(value)
+        from .backing import check_location
+        opts.backing = check_location(value)
     elif name == "hot_versions":
         try:
             opts.hot_versions = int(value)

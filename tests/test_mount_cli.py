@@ -116,6 +116,36 @@ def test_option_missing_value_and_bad_size(make_mount):
         assert not is_mounted(m.path)
 
 
+@pytest.mark.parametrize("location", ["s3://bucket/x", "S3://bucket/x", "gs://b/p",
+                                      "s3:/bucket/x", "relative/store", "./store", "store",
+                                      "file://relative/dir", "file://"])
+def test_backing_must_be_absolute_or_a_known_scheme(make_mount, tmp_path, location):
+    """backing= never becomes a directory below the working directory: an unknown
+    url scheme or a relative path is refused with one line, exit 2, nothing made."""
+    m = make_mount(start=False)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    for argv in (MOUNT_HELPER + [str(m.source), str(m.path), "-o", f"backing={location}"],
+                 CKPTFS + ["recover", str(m.source), "-o", f"backing={location}"],
+                 CKPTFS + ["fsck", str(m.source), "-o", f"backing={location}"]):
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=cwd,
+                             env=dict(os.environ, PYTHONPATH=str(REPO)))
+        assert res.returncode == 2, (argv, res.stderr)
+        line = one_line(res.stderr)
+        assert "backing" in line, line
+        assert os.listdir(cwd) == [], f"{location} created {os.listdir(cwd)} in the cwd"
+        assert not (m.source / ".ckptfs").exists()
+        assert not is_mounted(m.path)
+
+
+def test_backing_file_url_is_its_directory(make_mount, tmp_path):
+    store = tmp_path / "store"
+    m = make_mount(options=["pmem_size=64M", f"backing=file://{store}"])
+    write_file(m.path / "f", pattern(MiB))
+    assert m.stat()["backing"] == f"file://{store}"
+    assert (store / "ckptfs-store").exists()
+
+
 @pytest.mark.parametrize("cmd", ["mount", "umount", "stat", "fsck", "sync", "export", "gc",
                                  "recover", "tier"])
 def test_every_subcommand_has_help(cmd):

@@ -9,14 +9,53 @@ location string.
 from __future__ import annotations
 
 import os
-from typing import Optional
+import re
+from typing import Callable, Optional
 
 from ..errors import UsageError
 from .base import MARKER_NAME, Backend, BlobWriter, UuidLike, validate_name
 from .local import LocalBackend
 
-__all__ = ["Backend", "BlobWriter", "LocalBackend", "MARKER_NAME", "open_backend",
-           "validate_name"]
+__all__ = ["Backend", "BlobWriter", "LocalBackend", "MARKER_NAME", "SCHEMES", "check_location",
+           "open_backend", "validate_name"]
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def _file_location(location: str) -> str:
+    """file:///DIR -> /DIR."""
+    path = location[len("file://"):]
+    if not path.startswith("/"):
+        raise UsageError(f"backing store {location!r}: a file:// url names an absolute "
+                         "directory (file:///DIR)")
+    return path
+
+
+# The url schemes a backing store location may use: scheme -> a function that
+# checks a location of that scheme (UsageError with one line) and returns it
+# in the form the daemon uses. A new backend registers its scheme here.
+SCHEMES: dict[str, Callable[[str], str]] = {"file": _file_location}
+
+
+def check_location(location: str) -> str:
+    """backing=: an absolute directory path, or a url of a scheme in SCHEMES.
+
+    Returns the location normalized (a file:// url becomes its path). Anything
+    else is a UsageError: a relative path would depend on the working
+    directory of whoever mounts, and an unknown scheme must never become a
+    directory named after it.
+    """
+    m = _URL.match(location)
+    if m:
+        check = SCHEMES.get(m.group(1).lower())
+        if check is None:
+            known = ", ".join(f"{s}://" for s in sorted(SCHEMES))
+            raise UsageError(f"backing store {location!r}: unknown url scheme "
+                             f"{m.group(1)!r} (known: {known}; or an absolute directory path)")
+        return check(location)
+    if not location or not os.path.isabs(location):
+        raise UsageError(f"backing store {location!r}: the directory must be an absolute path")
+    return os.path.normpath(location)
 
 
 def open_backend(location: str, store_uuid: Optional[UuidLike] = None, *,
@@ -27,15 +66,7 @@ def open_backend(location: str, store_uuid: Optional[UuidLike] = None, *,
     `check()`); with it the store is created if needed (first use only: see
     `LocalBackend.create`).
     """
-    if location.startswith("file://"):
-        path = location[len("file://"):]
-    elif "://" in location:
-        raise UsageError(f"unsupported backing store {location!r}: only a directory "
-                         "or a file:// url")
-    else:
-        path = location
-    if not path or not os.path.isabs(path):
-        raise UsageError(f"backing store {location!r}: the directory must be an absolute path")
+    path = check_location(location)
     if create:
         return LocalBackend.create(path, store_uuid)
     return LocalBackend(path, store_uuid)
