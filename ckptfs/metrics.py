@@ -6,7 +6,8 @@ Two ways out, chosen by mount options:
   (`MetricsServer`, prometheus_client's WSGI server in a daemon thread,
   stopped at unmount);
 - ``metrics_file=PATH``: the text exposition written to PATH every few
-  seconds, atomically (temporary name in the same directory, then rename),
+  seconds, atomically (an unpredictable temporary name in the same
+  directory, created with O_EXCL|O_NOFOLLOW, then rename),
   for node_exporter's textfile collector (`write_textfile_periodically`).
 
 Threads. `Filesystem.stats()` belongs to the trio thread (it reads the index
@@ -28,9 +29,12 @@ the name (``_bytes``, ``_seconds``), ``_total`` on counters, and a
 from __future__ import annotations
 
 import bisect
+import errno
 import logging
 import math
 import os
+import secrets
+import stat
 import threading
 import time
 from typing import Callable, Iterable, Iterator, Mapping, Optional
@@ -333,26 +337,58 @@ async def refresh_periodically(snapshot: Snapshot, stats: Callable[[], StatsDict
 
 def write_textfile(path: str, registry: CollectorRegistry) -> None:
     """Write the exposition to path atomically: a hidden temporary in the same
-    directory (node_exporter reads only ``*.prom``), then rename. Blocks."""
+    directory (node_exporter reads only ``*.prom``), then rename. Blocks.
+
+    The daemon runs as root and the directory may be one other users write
+    into (a shared textfile directory, /tmp): everything happens relative to
+    one directory fd, the temporary gets an unpredictable name and is created
+    with O_EXCL|O_NOFOLLOW (a planted file or symlink is never opened), and the
+    rename replaces whatever is at the final name without following it.
+    """
     data = generate_latest(registry)
     directory, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
+        unsafe = unsafe_directory(os.fstat(dir_fd))
+        if unsafe:
+            raise OSError(errno.EPERM, f"{directory} is {unsafe}: anyone could replace the "
+                                       "metrics file")
+        while True:
+            tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+                break
+            except FileExistsError:
+                continue
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fchmod(fd, 0o644)        # whatever the umask: node_exporter must read it
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fchmod(fd, 0o644)        # whatever the umask: node_exporter must read it
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(dir_fd)
+
+
+def unsafe_directory(st: os.stat_result) -> Optional[str]:
+    """Why a directory is no place for a file root writes, or None.
+
+    World-writable without the sticky bit: any user may rename or delete what
+    is in it, so whatever the daemon writes there could be swapped.
+    """
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        return "world-writable without the sticky bit"
+    return None
 
 
 async def write_textfile_periodically(path: str, registry: CollectorRegistry,
@@ -436,6 +472,11 @@ def check_textfile_path(path: str, mountpoint: str) -> str:
         raise UsageError(f"metrics_file: directory {directory} does not exist")
     if os.path.isdir(path):
         raise UsageError(f"metrics_file: {path} is a directory")
+    unsafe = unsafe_directory(os.stat(directory))
+    if unsafe:
+        raise UsageError(f"metrics_file: directory {directory} is {unsafe} (anyone could "
+                         "replace the file); use a directory only its owner can write, or "
+                         "one with the sticky bit")
     mp = os.path.realpath(mountpoint)
     real = os.path.join(os.path.realpath(directory), os.path.basename(path))
     if real == mp or real.startswith(mp.rstrip(os.sep) + os.sep):

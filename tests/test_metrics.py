@@ -10,6 +10,8 @@ from __future__ import annotations
 import errno
 import math
 import os
+import stat
+import subprocess
 import threading
 import time
 import urllib.error
@@ -19,6 +21,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import MOUNT_HELPER
 from posix_helpers import MiB, check_clean, pattern, read_file, write_file
 
 from ckptfs import metrics
@@ -288,7 +291,7 @@ def test_textfile_failed_rename_keeps_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "ckptfs.prom"
     path.write_text("# old\n")
 
-    def broken_rename(src, dst):
+    def broken_rename(src, dst, **dir_fds):
         raise OSError(errno.EIO, "Input/output error", src)
 
     monkeypatch.setattr(metrics.os, "rename", broken_rename)
@@ -432,6 +435,62 @@ def test_http_thread_reads_the_snapshot_the_trio_task_refreshes():
 
     trio.run(main)
     assert seen == sorted(seen) and seen[-1] > seen[0] >= 1
+
+
+def test_textfile_never_writes_through_a_planted_symlink(tmp_path, monkeypatch):
+    """Root writes the textfile into a directory other users write into (sticky,
+    like /tmp): symlinks planted at the temporary's name (even a guessed one) and
+    at the final name never make it write or chmod anything else."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"root's data\n")
+    os.chmod(victim, 0o600)
+    path = shared / "ckptfs.prom"
+    # The name the writer used to take (pid and thread id are no secret) ...
+    (shared / f".ckptfs.prom.{os.getpid()}.{threading.get_ident()}.tmp").symlink_to(victim)
+    # ... and the final name.
+    path.symlink_to(victim)
+    reg = make_registry(lambda: STATS, MP)
+    metrics.write_textfile(str(path), reg)
+    # Even a guessed temporary name: the planted symlink there is never opened.
+    guesses = iter(["guessed", "fresh"])
+    monkeypatch.setattr(metrics.secrets, "token_hex", lambda n: next(guesses))
+    (shared / ".ckptfs.prom.guessed.tmp").symlink_to(victim)
+    metrics.write_textfile(str(path), reg)
+    monkeypatch.undo()
+    assert victim.read_bytes() == b"root's data\n"
+    assert os.stat(victim).st_mode & 0o777 == 0o600
+    st = os.lstat(path)
+    assert stat.S_ISREG(st.st_mode) and st.st_mode & 0o777 == 0o644
+    assert value(parse(path.read_text()), "ckptfs_written_bytes_total") == STATS["bytes_written"]
+    assert sorted(os.listdir(shared)) == sorted([
+        "ckptfs.prom", ".ckptfs.prom.guessed.tmp",
+        f".ckptfs.prom.{os.getpid()}.{threading.get_ident()}.tmp"])
+
+
+def test_textfile_refuses_a_world_writable_directory_without_sticky_bit(make_mount, tmp_path):
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(UsageError, match="world-writable without the sticky bit"):
+        metrics.check_textfile_path(str(open_dir / "x.prom"), str(tmp_path / "mnt"))
+    with pytest.raises(OSError, match="world-writable"):
+        metrics.write_textfile(str(open_dir / "x.prom"), make_registry(lambda: STATS, MP))
+    assert os.listdir(open_dir) == []
+    # At mount: one line, exit 2, nothing mounted.
+    m = make_mount(start=False)
+    res = subprocess.run(MOUNT_HELPER + [str(m.source), str(m.path), "-o",
+                                         f"pmem_size=64M,metrics_file={open_dir}/x.prom"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "sticky" in lines[0], res.stderr
+    assert not (m.source / ".ckptfs").exists()
+    # The sticky bit makes it fine (/tmp).
+    os.chmod(open_dir, 0o1777)
+    assert metrics.check_textfile_path(str(open_dir / "x.prom"), str(tmp_path / "mnt"))
 
 
 # ------------------------------------------------------------------ options
