@@ -1,8 +1,10 @@
 """Command line: `ckptfs SUBCOMMAND` and the `mount.ckptfs` helper.
 
 `main(argv)` and `mount_helper_main(argv)` can be called in-process by tests.
-User mistakes raise UsageError and print one line, no traceback. Exit codes
-live in `ExitCode` and are documented in the README's table.
+Errors print one line, no traceback: a bad command line or option
+(UsageError) exits 2, a command that cannot be done (any other CkptfsError,
+OSError) exits 1. Exit codes live in `ExitCode` and are documented in the
+README's table.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Optional
 
 from . import control
 from .daemon import find_mount, mount
-from .errors import CkptfsError, UsageError
+from .errors import CkptfsError, OperationFailed, UsageError
 from .options import options_help, parse_options
 from .proc import wait_exit
 
@@ -72,15 +74,17 @@ def mount_helper_main(argv: Optional[list[str]] = None) -> int:
 def _mount(source: str, mountpoint: str, option_strings: list[str], foreground: bool) -> int:
     try:
         opts = parse_options(source, mountpoint, option_strings)
-    except UsageError as e:
+    except CkptfsError as e:
         return _fail(e)
     opts.foreground = opts.foreground or foreground
     if find_mount(opts.source) is not None:
         # Mounted over itself: SOURCE/.ckptfs (and the lock in it) is hidden below that mount.
-        return _fail(UsageError(f"{opts.source} is already mounted by ckptfs "
-                                "(unmount it first)"))
+        return _fail(OperationFailed(f"{opts.source} is already mounted by ckptfs "
+                                     "(unmount it first)"))
     if find_mount(opts.mountpoint) is not None:
-        return _fail(UsageError(f"{opts.mountpoint} is already a ckptfs mount"))
+        return _fail(OperationFailed(f"{opts.mountpoint} is already a ckptfs mount "
+                                     "(unmount it first: ckptfs umount "
+                                     f"{opts.mountpoint})"))
     return mount(opts)
 
 
@@ -198,7 +202,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def umount(mountpoint: str, timeout_s: float, lazy: bool) -> int:
     if find_mount(mountpoint) is None:
-        raise UsageError(f"{mountpoint} is not a ckptfs mount")
+        raise OperationFailed(f"{mountpoint} is not a ckptfs mount (nothing to unmount)")
     try:
         pid = control.request(mountpoint, "ping", timeout_s=10)["pid"]
     except CkptfsError:

@@ -25,7 +25,7 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from .errors import CkptfsError, UsageError
+from .errors import CkptfsError, OperationFailed, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,9 @@ def request(mountpoint: str, op: str, timeout_s: float = 600.0, **args: Any) -> 
         try:
             s.connect(path)
         except (FileNotFoundError, ConnectionRefusedError):
-            raise UsageError(f"no ckptfs daemon answers for {mountpoint} "
-                             "(not mounted, or the daemon died)") from None
+            raise OperationFailed(f"no ckptfs daemon answers for {mountpoint} (not mounted, "
+                                  "or the daemon died: ckptfs umount it, then mount "
+                                  "again)") from None
         s.sendall(json.dumps({"v": PROTOCOL_VERSION, "op": op, **args}).encode() + b"\n")
         buf = b""
         while b"\n" not in buf:

@@ -36,7 +36,7 @@ import trio
 from . import adopt, control
 from . import index as ix
 from .core import CommitPolicy, Filesystem
-from .errors import CkptfsError, FormatError, UsageError
+from .errors import CkptfsError, FormatError, OperationFailed
 from .files import SourceFiles
 from .fuse_ops import CkptfsOperations
 from .index import Index
@@ -178,8 +178,8 @@ def lock_source(state_dir: str) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
-        raise UsageError(f"{os.path.dirname(state_dir)} is already mounted by ckptfs "
-                         f"(daemon pid {holder or 'unknown'})") from None
+        raise OperationFailed(f"{os.path.dirname(state_dir)} is already mounted by ckptfs "
+                              f"(daemon pid {holder or 'unknown'}; unmount it first)") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -257,7 +257,7 @@ def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
         try:
             pyfuse3.init(CkptfsOperations(fs), opts.mountpoint, fuse_options(opts))
         except RuntimeError as e:
-            raise UsageError(f"cannot mount on {opts.mountpoint}: {e}") from None
+            raise OperationFailed(f"cannot mount on {opts.mountpoint}: {e}") from None
         mounted = True
         trio.run(_run, fs, opts, ready_fd, sock_path, metrics)
     except (CkptfsError, OSError) as e:
@@ -322,12 +322,12 @@ def _control_handlers(fs: Filesystem) -> dict:
 
     async def tier(args: dict) -> dict:
         if fs.tierer is None:
-            raise UsageError("tiering is off on this mount (-o tiering=off)")
+            raise OperationFailed("tiering is off on this mount (-o tiering=off)")
         return fs.tierer.start_now(everything=bool(args.get("all")))
 
     async def tier_status(_: dict) -> dict:
         if fs.tierer is None or fs.tierer.progress is None:
-            raise UsageError("no tiering pass was started")
+            raise OperationFailed("no tiering pass was started")
         return dataclasses.asdict(fs.tierer.progress)
 
     async def gc(_: dict) -> dict:
@@ -480,7 +480,7 @@ def _daemon_main(argv: Optional[list[str]] = None) -> int:
     os.set_inheritable(args.ready_fd, False)
     try:
         opts = parse_options(args.source, args.mountpoint, args.options)
-    except UsageError as e:
+    except CkptfsError as e:
         _report(args.ready_fd, f"ckptfs: {e}")
         return 1
     return serve(opts, args.ready_fd)

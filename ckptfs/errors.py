@@ -106,7 +106,17 @@ class FormatError(CkptfsError):
 
 
 class UsageError(CkptfsError):
-    """A user mistake on the command line: printed as one line, no traceback."""
+    """A bad command line or mount option (unknown flag, bad value): one line,
+    no traceback, exit code 2. Only for what the command line itself gets
+    wrong; a well-formed command that cannot be done is an OperationFailed."""
+
+    errno = errno.EINVAL
+
+
+class OperationFailed(CkptfsError):
+    """A well-formed command that cannot be carried out as things stand:
+    already mounted, not mounted, no daemon answers, SOURCE is not a
+    directory. One line that says what to do, exit code 1."""
 
     errno = errno.EINVAL
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from . import index as ix
 from .daemon import backing_root, ckptfs_mounts, lock_source
-from .errors import CkptfsError, DamagedData, FormatError, UsageError
+from .errors import CkptfsError, DamagedData, FormatError, OperationFailed
 from . import packs
 from .backing.base import Backend
 from .backing.local import LocalBackend
@@ -476,10 +476,10 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
     opts = parse_options(source, source, list(option_strings))
     for _, point, mounted_source in ckptfs_mounts():
         if mounted_source == os.path.realpath(opts.source):
-            raise UsageError(f"{opts.source} is mounted on {point}: unmount it first "
+            raise OperationFailed(f"{opts.source} is mounted on {point}: unmount it first "
                              "(fsck checks an unmounted ckptfs)")
     if not os.path.isdir(opts.index_dir):
-        raise UsageError(f"{opts.source} holds no ckptfs (no {opts.index_dir})")
+        raise OperationFailed(f"{opts.source} holds no ckptfs (no {opts.index_dir})")
     lock_fd = lock_source(opts.state_dir)     # refuses while mounted
     source_fd = os.open(opts.source, os.O_RDONLY | os.O_DIRECTORY)
     index = Index(opts.index_dir)

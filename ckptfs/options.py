@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .errors import UsageError
+from .errors import OperationFailed, UsageError
 
 STATE_DIR = ".ckptfs"
 DEFAULT_PMEM_SIZE_MAX = 8 << 30
@@ -137,13 +137,18 @@ class MountOptions:
 
 
 def parse_options(source: str, mountpoint: str, option_strings: list[str]) -> MountOptions:
-    """Validate SOURCE, MOUNTPOINT and every -o option; raise UsageError with one line."""
+    """Validate SOURCE, MOUNTPOINT and every -o option.
+
+    A bad option raises UsageError, a SOURCE or MOUNTPOINT that is not a
+    directory OperationFailed; either with one line.
+    """
     source = os.path.abspath(source)
     mountpoint = os.path.abspath(mountpoint)
     if not os.path.isdir(source):
-        raise UsageError(f"source {source} is not a directory")
+        raise OperationFailed(f"source {source} is not a directory (create it first)")
     if not os.path.isdir(mountpoint):
-        raise UsageError(f"mountpoint {mountpoint} does not exist or is not a directory")
+        raise OperationFailed(f"mountpoint {mountpoint} does not exist or is not a directory "
+                              "(create it first)")
     opts = MountOptions(source=source, mountpoint=mountpoint)
     for chunk in option_strings:
         for item in filter(None, (s.strip() for s in chunk.split(","))):
@@ -170,7 +175,10 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
     if name == "pmem":
         opts.pmem = os.path.abspath(value)
     elif name == "pmem_size":
+        from .pmemlog import MIN_SIZE_BYTES
         opts.pmem_size = parse_size(value)
+        if opts.pmem_size < MIN_SIZE_BYTES:
+            raise UsageError(f"pmem_size {value} is too small (at least {MIN_SIZE_BYTES >> 10}K)")
     elif name == "sync":
         if value not in ("close", "lazy"):
             raise UsageError(f"sync must be close or lazy, not {value!r}")

@@ -41,6 +41,7 @@ SUPERBLOCK_BYTES = PAGE_BYTES
 MAGIC = b"CKPTLOG1"
 _SUPER = struct.Struct("<8sIQ16s")    # magic, version, size, fs uuid; then crc32c
 LOG_VERSION = 1
+MIN_SIZE_BYTES = 16 * PAGE_BYTES      # the superblock and a little room
 
 
 def round_up(n: int, to: int = PAGE_BYTES) -> int:
@@ -109,8 +110,8 @@ class PmemLog:
 
     @staticmethod
     def _check_size(size_bytes: int) -> int:
-        if size_bytes < 16 * PAGE_BYTES:
-            raise FormatError(f"pmem_size {size_bytes} is too small (minimum {16 * PAGE_BYTES})")
+        if size_bytes < MIN_SIZE_BYTES:
+            raise FormatError(f"pmem_size {size_bytes} is too small (minimum {MIN_SIZE_BYTES})")
         return size_bytes // PAGE_BYTES * PAGE_BYTES
 
     @staticmethod

@@ -31,7 +31,7 @@ from . import index as ix
 from . import packs
 from .backing.local import LocalBackend
 from .daemon import ckptfs_mounts, lock_source
-from .errors import CkptfsError, UsageError
+from .errors import CkptfsError, OperationFailed
 from .index import CHUNK_PACK, ROOT_INO, Chunk, DirectTxn, Extent, Index, Inode
 from .options import parse_options
 
@@ -52,7 +52,7 @@ def run_recover(source: str, option_strings: Iterable[str], out=None) -> int:
     opts = parse_options(source, source, list(option_strings))
     for _, point, mounted_source in ckptfs_mounts():
         if mounted_source == os.path.realpath(opts.source):
-            raise UsageError(f"{opts.source} is mounted on {point}: unmount it first")
+            raise OperationFailed(f"{opts.source} is mounted on {point}: unmount it first")
     os.makedirs(opts.state_dir, mode=0o700, exist_ok=True)
     lock_fd = lock_source(opts.state_dir)
     try:
@@ -63,7 +63,7 @@ def run_recover(source: str, option_strings: Iterable[str], out=None) -> int:
             finally:
                 probe.close()
             if formatted:
-                raise UsageError(f"{opts.index_dir} holds an index: recover rebuilds a lost "
+                raise OperationFailed(f"{opts.index_dir} holds an index: recover rebuilds a lost "
                                  "one (move it aside first if it is damaged beyond fsck)")
         root = opts.backing_dir
         backend = LocalBackend.open(root)        # the marker must be there

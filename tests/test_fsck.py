@@ -216,11 +216,11 @@ def test_wrong_pack_record_is_repaired(make_mount):
 def test_fsck_refuses_a_mounted_filesystem(mounted):
     from conftest import run_ckptfs
     res = run_ckptfs("fsck", str(mounted.source), check=False)
-    assert res.returncode == 2 and "unmount it first" in res.stderr
+    assert res.returncode == 1 and "unmount it first" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
 
-def test_fsck_of_a_plain_directory_is_a_usage_error(tmp_path: Path):
+def test_fsck_of_a_plain_directory_fails(tmp_path: Path):
     from conftest import run_ckptfs
     res = run_ckptfs("fsck", str(tmp_path), check=False)
-    assert res.returncode == 2 and "holds no ckptfs" in res.stderr
+    assert res.returncode == 1 and "holds no ckptfs" in res.stderr

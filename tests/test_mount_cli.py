@@ -157,8 +157,8 @@ def test_subcommands_on_a_directory_that_is_not_mounted(tmp_path):
     for args in (["gc", str(tmp_path)], ["tier", str(tmp_path), "--now"],
                  ["sync", str(tmp_path)]):
         res = run_ckptfs(*args, check=False)
-        assert res.returncode == 2 and "Traceback" not in res.stderr, args
-        one_line(res.stderr)
+        assert res.returncode == 1 and "Traceback" not in res.stderr, args
+        assert "no ckptfs daemon answers" in one_line(res.stderr)
 
 
 def test_missing_mountpoint(tmp_path):
@@ -178,16 +178,61 @@ def test_missing_mountpoint(tmp_path):
 
 
 def test_daemon_side_failure_is_one_line(make_mount, tmp_path):
-    """A failure found by the daemon (log too small, unusable log path): one line, no mount."""
+    """A failure found by the daemon (unusable log path): one line, exit 1, no mount."""
     m = make_mount(start=False)
-    res = helper(str(m.source), str(m.path), "-o", "pmem_size=4K")
-    assert res.returncode != 0
-    assert "pmem_size" in one_line(res.stderr)
-    assert not is_mounted(m.path)
     res = helper(str(m.source), str(m.path), "-o", f"pmem={tmp_path}/no/such/dir/log,pmem_size=64M")
-    assert res.returncode != 0
+    assert res.returncode == 1
     one_line(res.stderr)
     assert not is_mounted(m.path)
+
+
+# ------------------------------------------------------------------ exit codes
+# 2: the command line or an option is bad; 1: a good command that cannot be done.
+
+def test_exit_2_pmem_size_too_small(make_mount):
+    m = make_mount(start=False)
+    res = helper(str(m.source), str(m.path), "-o", "pmem_size=1K")
+    assert res.returncode == 2, res.stderr
+    assert "pmem_size 1K is too small" in one_line(res.stderr)
+    assert not is_mounted(m.path)
+    assert not (m.source / ".ckptfs").exists()
+
+
+def test_exit_1_already_mounted(make_mount):
+    m = make_mount(options=["pmem_size=64M"])
+    res = helper(str(m.source), str(m.path), "-o", "pmem_size=64M")
+    assert res.returncode == 1, res.stderr
+    assert "already mounted" in one_line(res.stderr)
+    assert m.stat()["pid"] == m.pid
+
+
+def test_exit_1_no_daemon_answers(make_mount):
+    m = make_mount(options=["pmem_size=64M"])
+    os.kill(m.pid, signal.SIGKILL)
+    assert wait_for(lambda: gone(m.pid), 10)
+    for args in (["stat", str(m.path)], ["sync", str(m.path)]):
+        res = run_ckptfs(*args, check=False)
+        assert res.returncode == 1, (args, res.stderr)
+        assert "no ckptfs daemon answers" in one_line(res.stderr)
+    res = run_ckptfs("umount", str(m.path), check=False)    # detaches the dead mount
+    assert res.returncode == 0, res.stderr
+    forget_daemon(m)
+
+
+def test_exit_1_source_not_a_directory(tmp_path):
+    (tmp_path / "file").write_bytes(b"x")
+    (tmp_path / "mnt").mkdir()
+    res = helper(str(tmp_path / "file"), str(tmp_path / "mnt"))
+    assert res.returncode == 1
+    assert "is not a directory" in one_line(res.stderr)
+    assert not is_mounted(tmp_path / "mnt")
+
+
+def test_exit_1_fsck_while_mounted(make_mount):
+    m = make_mount(options=["pmem_size=64M"])
+    res = run_ckptfs("fsck", str(m.source), check=False)
+    assert res.returncode == 1
+    assert "unmount it first" in one_line(res.stderr)
 
 
 def test_second_mount_of_same_source(make_mount, tmp_path):
@@ -258,8 +303,8 @@ def test_ckptfs_umount_waits_for_daemon(mounted):
 
 def test_ckptfs_umount_not_mounted(tmp_path):
     res = run_ckptfs("umount", str(tmp_path), check=False)
-    assert res.returncode != 0
-    one_line(res.stderr)
+    assert res.returncode == 1
+    assert "not a ckptfs mount" in one_line(res.stderr)
 
 
 @pytest.mark.parametrize("tool", [["umount"], ["fusermount3", "-u"]])
@@ -330,7 +375,7 @@ def test_stat_json(mounted):
 
 def test_stat_not_mounted(tmp_path):
     res = run_ckptfs("stat", str(tmp_path), "--json", check=False)
-    assert res.returncode != 0
+    assert res.returncode == 1
     one_line(res.stderr)
 
 
