@@ -6,9 +6,11 @@ One request per connection, one JSON object per line each way:
     <- {"v": 1, "ok": true, "result": {...}}
     <- {"v": 1, "ok": false, "error": "one line"}
 
-The socket lives in /run/ckptfs (root) or $XDG_RUNTIME_DIR/ckptfs, named after
-the mountpoint, because SOURCE/.ckptfs is hidden below the mount when ckptfs
-is mounted over its own source. Only the mount's owner may connect (0600).
+The socket lives in /run/ckptfs (root) or $XDG_RUNTIME_DIR/ckptfs (else
+/tmp/ckptfs-EUID/ckptfs), named after the mountpoint, because SOURCE/.ckptfs
+is hidden below the mount when ckptfs is mounted over its own source. Only
+the mount's owner may connect (0600), and both the daemon and its clients
+refuse a directory another user could control (`private_socket_dir`).
 
 Ops: "stat" (the numbers `ckptfs stat` prints), "sync" (commit everything,
 wait until durable), "ping".
@@ -21,6 +23,7 @@ import json
 import logging
 import os
 import socket
+import stat
 from typing import Any, Awaitable, Callable
 
 import trio
@@ -34,15 +37,61 @@ MAX_REQUEST_BYTES = 64 * 1024
 
 
 def socket_dir() -> str:
+    """Where control sockets live: /run/ckptfs for root, else the user's runtime
+    directory, else a private /tmp/ckptfs-EUID."""
     if os.geteuid() == 0:
         return "/run/ckptfs"
-    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/ckptfs-{os.getuid()}",
-                        "ckptfs")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "ckptfs")
+    return os.path.join(f"/tmp/ckptfs-{os.geteuid()}", "ckptfs")
 
 
 def socket_path(mountpoint: str) -> str:
     digest = hashlib.sha256(os.path.realpath(mountpoint).encode()).hexdigest()[:20]
     return os.path.join(socket_dir(), f"{digest}.sock")
+
+
+def private_socket_dir(create: bool) -> str:
+    """socket_dir(), checked as ssh-agent checks its directory; created 0700 if
+    missing and create is set. Raises CkptfsError (one line) when it is unsafe.
+
+    Whoever controls the directory can answer in the daemon's place, so the
+    directory and, below /tmp, its /tmp/ckptfs-EUID parent (which any user
+    could have made first) must each be a real directory (lstat: not a
+    symlink), owned by this user, with no group or other permissions.
+    """
+    path = socket_dir()
+    parent = os.path.dirname(path)
+    if parent == f"/tmp/ckptfs-{os.geteuid()}":
+        _check_private(parent, create)
+    _check_private(path, create)
+    return path
+
+
+def _check_private(path: str, create: bool) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not create:
+            raise UsageError(f"no control directory {path} (no ckptfs mounted by this user)") \
+                from None
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass                       # made meanwhile: checked below like any other
+        st = os.lstat(path)
+    why = None
+    if not stat.S_ISDIR(st.st_mode):
+        why = "not a directory" + (" (a symlink)" if stat.S_ISLNK(st.st_mode) else "")
+    elif st.st_uid != os.geteuid():
+        why = f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    elif st.st_mode & 0o077:
+        why = f"open to other users (mode {stat.S_IMODE(st.st_mode):o}, want 700)"
+    if why:
+        raise CkptfsError(f"control directory {path} is {why}: refusing to use it (another "
+                          "user could answer in the daemon's place); remove it or set "
+                          "XDG_RUNTIME_DIR")
 
 
 Handler = Callable[[dict], Awaitable[Any]]
@@ -51,7 +100,7 @@ Handler = Callable[[dict], Awaitable[Any]]
 async def serve(path: str, handlers: dict[str, Handler],
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Answer control requests until cancelled."""
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    private_socket_dir(create=True)
     try:
         os.unlink(path)      # left by a daemon that was killed
     except FileNotFoundError:
@@ -107,6 +156,11 @@ async def _read_line(stream: trio.SocketStream) -> bytes:
 
 def request(mountpoint: str, op: str, timeout_s: float = 600.0, **args: Any) -> Any:
     """Send one request to the daemon serving mountpoint; return its result. Blocks."""
+    try:
+        private_socket_dir(create=False)
+    except UsageError:
+        raise UsageError(f"no ckptfs daemon answers for {mountpoint} "
+                         "(not mounted, or the daemon died)") from None
     path = socket_path(mountpoint)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)

@@ -247,6 +247,7 @@ def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
         # Resolve every path now: once mounted, a stat of the mountpoint from
         # this process would wait for this very loop.
         sock_path = control.socket_path(opts.mountpoint)
+        control.private_socket_dir(create=True)      # an unsafe one fails the mount
         if opts.metrics_port is not None:
             from .metrics import MetricsServer
             # Bound before the mount: a taken port fails the mount with one line.
