@@ -54,7 +54,8 @@ def socket_path(mountpoint: str) -> str:
 
 def private_socket_dir(create: bool) -> str:
     """socket_dir(), checked as ssh-agent checks its directory; created 0700 if
-    missing and create is set. Raises CkptfsError (one line) when it is unsafe.
+    missing and create is set (else FileNotFoundError). Raises OperationFailed
+    (one line) when it is unsafe.
 
     Whoever controls the directory can answer in the daemon's place, so the
     directory and, below /tmp, its /tmp/ckptfs-EUID parent (which any user
@@ -74,8 +75,7 @@ def _check_private(path: str, create: bool) -> None:
         st = os.lstat(path)
     except FileNotFoundError:
         if not create:
-            raise UsageError(f"no control directory {path} (no ckptfs mounted by this user)") \
-                from None
+            raise
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
@@ -89,9 +89,9 @@ def _check_private(path: str, create: bool) -> None:
     elif st.st_mode & 0o077:
         why = f"open to other users (mode {stat.S_IMODE(st.st_mode):o}, want 700)"
     if why:
-        raise CkptfsError(f"control directory {path} is {why}: refusing to use it (another "
-                          "user could answer in the daemon's place); remove it or set "
-                          "XDG_RUNTIME_DIR")
+        raise OperationFailed(f"control directory {path} is {why}: refusing to use it (another "
+                              "user could answer in the daemon's place); remove it or set "
+                              "XDG_RUNTIME_DIR")
 
 
 Handler = Callable[[dict], Awaitable[Any]]
@@ -156,20 +156,19 @@ async def _read_line(stream: trio.SocketStream) -> bytes:
 
 def request(mountpoint: str, op: str, timeout_s: float = 600.0, **args: Any) -> Any:
     """Send one request to the daemon serving mountpoint; return its result. Blocks."""
+    no_daemon = OperationFailed(f"no ckptfs daemon answers for {mountpoint} (not mounted, "
+                                "or the daemon died: ckptfs umount it, then mount again)")
     try:
         private_socket_dir(create=False)
-    except UsageError:
-        raise UsageError(f"no ckptfs daemon answers for {mountpoint} "
-                         "(not mounted, or the daemon died)") from None
+    except FileNotFoundError:
+        raise no_daemon from None
     path = socket_path(mountpoint)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)
         try:
             s.connect(path)
         except (FileNotFoundError, ConnectionRefusedError):
-            raise OperationFailed(f"no ckptfs daemon answers for {mountpoint} (not mounted, "
-                                  "or the daemon died: ckptfs umount it, then mount "
-                                  "again)") from None
+            raise no_daemon from None
         s.sendall(json.dumps({"v": PROTOCOL_VERSION, "op": op, **args}).encode() + b"\n")
         buf = b""
         while b"\n" not in buf:
