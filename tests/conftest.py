@@ -170,3 +170,39 @@ def pytest_sessionfinish(session, exitstatus):
                      if "fuse.ckptfs" in line and line.split()[4].startswith(base)]
     for path in leftovers:
         subprocess.run(["fusermount3", "-u", "-z", path], capture_output=True)
+
+
+# -- a real S3 server --------------------------------------------------------------------
+
+def load_rgw_tool():
+    """tools/rgw.py as a module (tools/ is not a package)."""
+    import importlib.util
+    name = "ckptfs_tools_rgw"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "tools" / "rgw.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def rgw(tmp_path_factory):
+    """Ceph's RADOS Gateway on a one-node Ceph in RAM (tools/rgw.py), started
+    the first time a test asks for it and stopped at the end of the session,
+    whatever the tests did (and by SIGTERM if pytest itself dies). Skips when
+    Ceph is not installed, unless CKPTFS_REQUIRE_RGW=1 (tools/test.sh, CI)."""
+    tool = load_rgw_tool()
+    missing = tool.missing_binaries()
+    if missing:
+        why = (f"Ceph is not installed ({', '.join(missing)} missing): "
+               "tools/setup-debian.sh --with-tests installs it")
+        if os.environ.get("CKPTFS_REQUIRE_RGW") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    gw = tool.RGW.start(str(tmp_path_factory.mktemp("rgw")), memstore_bytes=2 << 30,
+                        bound_to_parent=True)
+    try:
+        yield gw
+    finally:
+        gw.stop(keep=True)          # the logs stay in pytest's tmp dir

@@ -4,6 +4,8 @@
 #   tools/setup-debian.sh                  install
 #   tools/setup-debian.sh --mount DIR      install, then mount ckptfs over DIR
 #   tools/setup-debian.sh --with-tests     install with the test extras (torch, numpy, ...)
+#                                          and a one-node Ceph for the S3 tests (about
+#                                          240 MB: tools/rgw.py runs its RADOS Gateway)
 #   tools/setup-debian.sh --with-bench     also the benchmark baselines (bindfs; borg,
 #                                          restic and casync for tools/bench_dedup.py)
 set -eu
@@ -16,8 +18,9 @@ apt_norec=""    # without Recommends: borgbackup's would add Debian's python3-py
 while [ $# -gt 0 ]; do
     case "$1" in
         --mount) mount_dir="$2"; shift 2 ;;
-        --with-tests) extras="[test]"; apt_extra="$apt_extra attr rsync"; shift ;;
-        --with-bench) apt_extra="$apt_extra bindfs"; apt_norec="borgbackup restic casync"; shift ;;
+        --with-tests) extras="[test]"; apt_extra="$apt_extra attr rsync"
+                      apt_norec="$apt_norec ceph-mon ceph-osd radosgw"; shift ;;
+        --with-bench) apt_extra="$apt_extra bindfs"; apt_norec="$apt_norec borgbackup restic casync"; shift ;;
         *) echo "setup-debian.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
