@@ -1,0 +1,75 @@
+"""JAX + Orbax checkpoints on ckptfs: ocp.CheckpointManager, OCDBT and zarr3 layouts.
+
+What orbax-checkpoint 0.12.8 does on CheckpointManager.save (seen with
+strace): the step is written into `<step>.orbax-checkpoint-tmp/` with the item
+in `state.orbax-checkpoint-tmp/`; tensorstore writes array chunks (zstd
+compressed zarr3 chunks) either packed into OCDBT data files
+(`ocdbt.process_0/d/<random>`, with `manifest.ocdbt` rewritten through
+`manifest.ocdbt.__lock` + rename, each fsync'ed) or one file per chunk
+(`<leaf>/c/0/0`, use_ocdbt=False); then `_METADATA`, `_sharding`,
+`_CHECKPOINT_METADATA` and `commit_success.txt`, the item directory is renamed
+to `state`, the step directory to `<step>`, and steps beyond max_to_keep are
+removed with rmtree. Saves run asynchronously on Orbax's threads.
+
+The library runs in tests/helpers/compat_orbax_worker.py (JAX in its own
+process); after a remount it restores every kept step array by array and
+resumes training from the newest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("jax") is None or importlib.util.find_spec("orbax") is None:
+    pytest.skip("jax and orbax-checkpoint are not installed (pip install -e '.[test]' "
+                "installs them)", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+from compat_util import run_helper, sha256_file  # noqa: E402
+
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
+
+
+@pytest.fixture
+def mounted(make_mount):
+    return make_mount(options=["pmem_size=128M"])
+
+
+def shas(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): sha256_file(p) for p in sorted(root.rglob("*"))
+            if p.is_file() and ".ckptfs" not in p.parts}
+
+
+@pytest.mark.parametrize("layout", ["ocdbt", "zarr"])
+def test_checkpoint_manager_save_rotate_restore(mounted, fsck_clean, tmp_path, layout):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    run_helper("compat_orbax_worker.py", "save", mounted.path, plain, layout, env=ENV,
+               timeout=600)
+    ckpts = mounted.path / "ckpts"
+    # max_to_keep=2 of 4 steps, every temp directory renamed or gone.
+    assert sorted(os.listdir(ckpts)) == ["3", "4"]
+    for step in ("3", "4"):
+        item = ckpts / step / "state"
+        assert (ckpts / step / "_CHECKPOINT_METADATA").is_file()
+        assert (item / "_METADATA").is_file()
+        if layout == "ocdbt":
+            assert (item / "manifest.ocdbt").is_file()
+            assert list((item / "ocdbt.process_0" / "d").iterdir())
+        else:
+            assert (item / "params.head.w" / "zarr.json").is_file()
+            assert (item / "params.embed" / "c" / "0" / "0").is_file()
+    assert not [p for p in mounted.path.rglob("*") if "tmp" in p.name and
+                ".ckptfs" not in p.parts]
+    before = shas(mounted.path)
+
+    mounted.remount()
+    assert shas(mounted.path) == before
+    run_helper("compat_orbax_worker.py", "verify", mounted.path, plain, layout, env=ENV,
+               timeout=600)
+    fsck_clean(mounted)
