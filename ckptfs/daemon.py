@@ -92,7 +92,8 @@ def open_state(opts: MountOptions) -> State:
             log.info("new ckptfs over %s; adopted %d existing entries", opts.source, adopted[0])
         index.upgrade_format()
         fs_uuid = index.check_format()
-        has_hot_data = next(ix.used_log_ranges(index), None) is not None
+        opts.pmem = log_path(opts, index)
+        has_hot_data = ix.has_log_chunks(index)
         if has_hot_data and not os.path.exists(opts.pmem_path):
             raise FormatError(f"log {opts.pmem_path} is missing but the index names data in it")
         size = opts.pmem_size
@@ -100,6 +101,7 @@ def open_state(opts: MountOptions) -> State:
             size = opts.default_pmem_size()
         plog = PmemLog.open(opts.pmem_path, size, fs_uuid)
         undo.callback(plog.close)
+        remember_log_path(index, opts)
         sources = SourceFiles(source_fd)
         backend = open_backing(opts, index, fs_uuid) if opts.tiering else None
         if backend is not None:
@@ -144,6 +146,27 @@ def open_backing(opts: MountOptions, index: Index, fs_uuid: bytes) -> Optional[L
     except CkptfsError as e:
         log.warning("%s; hot data works, cold reads give EIO until it is back", e)
     return backend
+
+
+def log_path(opts: MountOptions, index: Index) -> str:
+    """pmem= if given, else the log this index was last mounted with, else the default."""
+    if opts.pmem:
+        return opts.pmem
+    remembered = ix.get_log_path(index)
+    if remembered:
+        return os.path.join(opts.state_dir, os.fsdecode(remembered))    # absolute stays
+    return opts.pmem_path
+
+
+def remember_log_path(index: Index, opts: MountOptions) -> None:
+    """Record the log's path in the index (relative when in the state directory, so
+    a moved SOURCE keeps finding its own log), for mounts and fsck without pmem=."""
+    path = os.path.abspath(opts.pmem_path)
+    inside = os.path.commonpath([path, os.path.abspath(opts.state_dir)]) == \
+        os.path.abspath(opts.state_dir)
+    stored = os.fsencode(os.path.relpath(path, opts.state_dir) if inside else path)
+    if ix.get_log_path(index) != stored:
+        index.write_direct(lambda txn: ix.set_log_path(txn, stored))
 
 
 def backing_root(opts: MountOptions, index: Index) -> str:

@@ -5,6 +5,11 @@ records findings; a finding with a repair is mended under `--repair`, in one
 transaction after all checks ran. What cannot be mended (damaged or missing
 data) is reported and left: reads of it give EIO, never wrong bytes.
 
+fsck never calls clean what it did not check: the log is the one given with
+`-o pmem=`, else the one the index remembers from the last mount; a missing
+log while the index names hot chunks, or an unreachable backing store while
+it names cold ones, is a finding ("not checked: ...") and exit 4.
+
 Exit codes (cli.ExitCode): 0 clean, 3 problems found and all repaired,
 4 problems left, 1 fsck could not run (e.g. the filesystem is mounted).
 """
@@ -23,13 +28,14 @@ from typing import Callable, Iterable, Optional
 from tqdm import tqdm
 
 from . import index as ix
-from .daemon import backing_root, ckptfs_mounts, lock_source
-from .errors import CkptfsError, DamagedData, FormatError, OperationFailed
+from .daemon import backing_root, ckptfs_mounts, lock_source, log_path
+from .errors import BackingReadOnly, CkptfsError, DamagedData, FormatError, OperationFailed
 from . import packs
 from .backing.base import Backend
 from .backing.local import LocalBackend
 from .index import (CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, ROOT_INO, Chunk, DirectTxn, Extent,
                     Index, Inode)
+from .namespace import NAME_MAX, STATE_DIR_NAME
 from .options import parse_options
 from .chunker import chunk_id
 from .pmemlog import SUPERBLOCK_BYTES, PmemLog
@@ -54,6 +60,8 @@ class Fsck:
     source_fd: int
     verify_data: bool = True
     backend: Optional[Backend] = None
+    log_problem: Optional[str] = None      # why the log could not be opened, if so
+    store_problem: Optional[str] = None    # why the backing store is not reachable, if so
     findings: list[Finding] = field(default_factory=list)
     # What the scans saw, shared by the checks.
     inodes: dict[int, Inode] = field(default_factory=dict)
@@ -70,7 +78,7 @@ class Fsck:
 
     def run(self) -> None:
         self.load()
-        for check in (self.check_root, self.check_dirents, self.check_link_counts,
+        for check in (self.check_reachable, self.check_root, self.check_dirents, self.check_link_counts,
                       self.check_extents, self.check_refcounts, self.check_logmap,
                       self.check_chunk_ids, self.check_packs, self.check_side_tables,
                       self.check_counters, self.check_data):
@@ -96,14 +104,36 @@ class Fsck:
 
     # ---------------------------------------------------------------- checks
 
+    def check_reachable(self) -> None:
+        """The log and the backing store the index names are there to be checked:
+        what fsck cannot read it must not call clean (one line each)."""
+        hot = [c for c in self.chunks.values() if c.kind == CHUNK_LOG]
+        if hot and self.log_problem is not None:
+            self.problem("log", f"not checked: {len(hot)} chunks ({sum(c.length for c in hot)} "
+                         f"bytes) in the log: {self.log_problem} (reads of them give EIO; "
+                         "give the log with -o pmem=PATH)")
+        cold = [c for c in self.chunks.values() if c.kind == CHUNK_PACK]
+        if cold and self.backend is None:
+            why = self.store_problem or "the index names no backing store"
+            self.problem("packs", f"not checked: {len(cold)} cold chunks "
+                         f"({sum(c.length for c in cold)} bytes): {why} (reads of them give "
+                         "EIO; give the store with -o backing=DIR)")
+
     def check_root(self) -> None:
         root = self.inodes.get(ROOT_INO)
         if root is None or not stat.S_ISDIR(root.mode):
             self.problem("root", "root directory is missing or not a directory")
 
     def check_dirents(self) -> None:
+        """Entries name existing inodes from existing directories, with possible
+        names; a directory has exactly one entry, its parent pointer agrees, and
+        following parents from any directory reaches the root (no cycles).
+
+        Entries that are wrong are not counted as links, so the link-count check
+        that follows sends an inode left in no directory to /lost+found."""
         kv = self.index
         cookies: dict[tuple[int, int], bytes] = {}
+        dir_entries: dict[int, list[tuple[int, bytes, int]]] = defaultdict(list)
         for k, v in kv.items("dirents", ix.u64(0), MAX):
             parent, name = ix.read_u64(k[:8]), k[8:]
             ino, cookie = ix.dirent_decode(v)
@@ -117,20 +147,76 @@ class Fsck:
                              _delete_entry(parent, name, cookie))
                 continue
             cookies[(parent, cookie)] = name
-            self.links[ino] += 1
-            if stat.S_ISDIR(child.mode):
-                self.subdirs[parent] += 1
-                if child.parent != parent:
-                    self.problem("dirents", f"directory {ino} is in {parent} but records "
-                                 f"parent {child.parent}", _set_inode(ino, parent=parent))
             if kv.get("dirlist", ix.dirlist_key(parent, cookie)) != name:
                 self.problem("dirents", f"entry {name!r} in {parent} is missing from the "
                              "listing order", _put("dirlist", ix.dirlist_key(parent, cookie), name))
+            bad = _bad_name(parent, name)
+            if bad is not None:
+                self.problem("names", f"entry {name!r} in directory {parent} {bad}: removed "
+                             "(an inode left in no directory goes to /lost+found)",
+                             _delete_entry(parent, name, cookie))
+                continue
+            if ino == ROOT_INO:
+                self.problem("tree", f"entry {name!r} in directory {parent} names the root "
+                             "directory", _delete_entry(parent, name, cookie))
+                continue
+            if stat.S_ISDIR(child.mode):
+                dir_entries[ino].append((parent, name, cookie))
+                continue
+            self.links[ino] += 1
         for k, name in kv.items("dirlist", ix.u64(0), MAX):
             parent = ix.read_u64(k[:8])
-            if (parent, ix.dirlist_cookie(k)) not in cookies:
-                self.problem("dirents", f"listing of {parent} names {name!r}, which has no entry",
+            if (parent, ix.dirlist_cookie(k)) in cookies:
+                continue
+            if kv.get("dirents", ix.dirent_key(parent, name)) is not None:
+                self.problem("dirents", f"listing of {parent} names {name!r} twice",
                              _delete("dirlist", k))
+            else:
+                self.problem("dirents", f"listing of {parent} names {name!r}, which has no "
+                             "entry", _delete("dirlist", k))
+        self._check_tree(dir_entries)
+
+    def _check_tree(self, dir_entries: dict[int, list[tuple[int, bytes, int]]]) -> None:
+        parent_of: dict[int, int] = {}
+        kept: dict[int, tuple[int, bytes, int]] = {}
+        for ino, entries in dir_entries.items():
+            child = self.inodes[ino]
+            # The entry its parent pointer agrees with (the oldest), else the oldest.
+            keep = min(entries, key=lambda e: (e[0] != child.parent, e[2]))
+            for e in entries:
+                if e is not keep:
+                    self.problem("tree", f"directory {ino} is named twice: {e[1]!r} in "
+                                 f"{e[0]} and {keep[1]!r} in {keep[0]}; removed {e[1]!r}",
+                                 _delete_entry(*e))
+            kept[ino] = keep
+            parent_of[ino] = keep[0]
+            if child.parent != keep[0]:
+                self.problem("dirents", f"directory {ino} is in {keep[0]} but records "
+                             f"parent {child.parent}", _set_inode(ino, parent=keep[0]))
+        # Every directory's chain of parents must end at the root: walk each chain
+        # once (no recursion), remembering where it was seen.
+        done: set[int] = {ROOT_INO}
+        for start in list(parent_of):
+            chain: list[int] = []
+            on_chain: set[int] = set()
+            cur = start
+            while cur not in done and cur in parent_of and cur not in on_chain:
+                chain.append(cur)
+                on_chain.add(cur)
+                cur = parent_of[cur]
+            if cur in on_chain:
+                cycle = chain[chain.index(cur):]
+                cut = min(cycle)
+                parent, name, cookie = kept[cut]
+                self.problem("tree", f"directories {sorted(cycle)} form a cycle the root does "
+                             f"not reach: {name!r} in {parent} removed, directory {cut} goes "
+                             "to /lost+found", _delete_entry(parent, name, cookie))
+                del parent_of[cut]
+            done.update(chain)
+        for ino, (parent, _, _) in kept.items():
+            if ino in parent_of:
+                self.links[ino] += 1
+                self.subdirs[parent] += 1
 
     def check_link_counts(self) -> None:
         for ino, inode in self.inodes.items():
@@ -271,10 +357,7 @@ class Fsck:
             self.problem("packs", f"chunks name pack {pack_no}, which has no record",
                          _put_pack(ix.PackInfo(pack_no, live[pack_no], live_bytes[pack_no], 0)))
         if self.backend is None:
-            if live:
-                self.problem("packs", "chunks are in the backing store, which is not "
-                             "reachable: their data was not checked")
-            return
+            return                      # check_reachable said what was not checked
         try:
             blobs = set(self.backend.list("packs/"))
         except CkptfsError as e:
@@ -357,6 +440,19 @@ class Fsck:
                 except (DamagedData, OSError) as e:
                     self.problem("data", f"chunk {chunk.chunk_no}: {e} (reads of it give EIO)")
                 bar.update(chunk.length)
+
+
+def _bad_name(parent: int, name: bytes) -> Optional[str]:
+    """Why a directory entry's name is impossible, or None."""
+    if name in (b"", b".", b".."):
+        return "is not a possible name"
+    if b"/" in name or b"\0" in name:
+        return "contains '/' or NUL"
+    if len(name) > NAME_MAX:
+        return f"is longer than {NAME_MAX} bytes"
+    if parent == ROOT_INO and name == STATE_DIR_NAME:
+        return "is reserved for the state directory"
+    return None
 
 
 # ---------------------------------------------------------------- repairs
@@ -446,7 +542,11 @@ def _to_lost_found(ino: int, f: Fsck) -> Repair:
             lf_ino = ix.dirent_decode(raw)[0]
         lf = ix.get_inode(txn, lf_ino)
         inode = ix.get_inode(txn, ino)
-        _link(txn, lf, f"#{ino}".encode(), ino, counters)
+        name, n = f"#{ino}".encode(), 1
+        while txn.get("dirents", ix.dirent_key(lf_ino, name)) is not None:
+            n += 1
+            name = f"#{ino}.{n}".encode()
+        _link(txn, lf, name, ino, counters)
         if stat.S_ISDIR(inode.mode):
             inode.parent = lf_ino
             inode.nlink = 2 + f.subdirs[ino]
@@ -487,20 +587,28 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
     backend = None
     try:
         fs_uuid = index.check_format()
-        try:
-            plog = PmemLog.open(opts.pmem_path, None, fs_uuid) \
-                if os.path.exists(opts.pmem_path) else None
-        except CkptfsError as e:
-            print(f"problem [log] {e}", file=out)
+        pmem_path = log_path(opts, index)
+        log_problem = store_problem = None
+        if not os.path.exists(pmem_path):
+            log_problem = f"the log {pmem_path} is missing"
+        else:
+            try:
+                plog = PmemLog.open(pmem_path, None, fs_uuid)
+            except CkptfsError as e:
+                log_problem = f"the log {pmem_path} cannot be used: {e}"
         store_uuid = ix.get_store_uuid(index)
         if store_uuid is not None:
             backend = LocalBackend(backing_root(opts, index), uuidlib.UUID(bytes=store_uuid))
             try:
                 backend.check()
+            except BackingReadOnly:
+                pass                    # reads work: everything can be checked
             except CkptfsError as e:
-                print(f"problem [packs] {e}", file=out)
+                store_problem = f"{e}"
+                backend.close()
                 backend = None
-        checker = Fsck(index, plog, source_fd, verify_data=verify_data, backend=backend)
+        checker = Fsck(index, plog, source_fd, verify_data=verify_data, backend=backend,
+                       log_problem=log_problem, store_problem=store_problem)
         checker.run()
         for f in checker.findings:
             print(f"problem [{f.check}] {f.message}", file=out)
@@ -508,8 +616,9 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
             print(f"note: {checker.twins} chunks hold bytes another chunk holds too (data "
                   "written with dedup=off)", file=out)
         if not checker.findings:
+            unread = "" if verify_data else "; data not read: --no-data"
             print(f"{opts.source}: clean ({len(checker.inodes)} inodes, "
-                  f"{len(checker.chunks)} chunks)", file=out)
+                  f"{len(checker.chunks)} chunks{unread})", file=out)
             return 0
         fixable = [f for f in checker.findings if f.repair is not None]
         if repair and fixable:

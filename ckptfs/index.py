@@ -18,6 +18,14 @@ order; little-endian in values):
                            marker names it); absent until the first one is
               b"store_path" -> where that store was created (used when no
                            backing= is given)
+              b"log_path" -> the log this index was last mounted with: relative
+                           to the state directory when it lies inside it, else
+                           absolute (used by mount and fsck when no pmem= is
+                           given); its superblock names this index's uuid
+              b"next_head" -> u64 counter, never reused: the sequence number of
+                           the next snapshot head published to the backing
+                           store (docs/STORE.md); durable before the head is
+                           written, so heads are numbered in commit order
               b"chunks", b"stored_log_bytes", b"stored_source_bytes",
               b"stored_pack_bytes", b"pack_logical_bytes" -> u64 totals over
                            the chunk table, kept in the same transactions as
@@ -98,7 +106,7 @@ DB_NAMES = ("meta", "inodes", "dirents", "dirlist", "extents", "chunks", "chunki
 CHUNK_ID_BYTES = 32
 NO_CHUNK_ID = bytes(CHUNK_ID_BYTES)
 
-ID_COUNTERS = (b"next_ino", b"next_chunk", b"next_cookie", b"next_pack")
+ID_COUNTERS = (b"next_ino", b"next_chunk", b"next_cookie", b"next_pack", b"next_head")
 # Totals over the chunk table; add_chunk/delete_chunk/move_chunk keep them exact.
 STAT_COUNTERS = (b"chunks", b"stored_log_bytes", b"stored_source_bytes", b"stored_pack_bytes",
                  b"pack_logical_bytes")
@@ -352,6 +360,19 @@ class Index:
         # durable record names it, and a counter alone must not cost a commit.
         return value
 
+    def reserve_id(self, name: bytes) -> int:
+        """Like allocate_id, but the open batch carries the counter: once the
+        caller has waited for that batch, the id can never be handed out again,
+        even after a crash (snapshot heads need that; see docs/STORE.md)."""
+        value = self.allocate_id(name)
+        self.put("meta", name, _LOGLOC.pack(self.counters[name]))
+        return value
+
+    def read_view(self) -> "ReadView":
+        """A read-only view of the durable state (no pending batch), for a worker
+        thread: one LMDB read transaction, consistent until closed."""
+        return ReadView(self.env.begin(), self._dbs)
+
     def adjust_counter(self, name: bytes, delta: int) -> None:
         """Add delta to a chunk-table total; it commits with the open batch."""
         self.counters[name] += delta
@@ -591,6 +612,41 @@ class DirectTxn:
         self.put("meta", name, _LOGLOC.pack(read_counter(self, name) + delta))
 
 
+class ReadView:
+    """Durable state seen through one read transaction (`Index.read_view`).
+
+    Usable from any one thread at a time; the typed helpers below take it like
+    an Index. Close it (or use `with`) before the index is closed.
+    """
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict) -> None:
+        self.txn = txn
+        self.dbs = dbs
+
+    def get(self, db: str, key: bytes) -> Optional[bytes]:
+        return self.txn.get(key, db=self.dbs[db])
+
+    def items(self, db: str, lo: bytes, hi: bytes, reverse: bool = False
+              ) -> Iterator[tuple[bytes, bytes]]:
+        cur = self.txn.cursor(self.dbs[db])
+        if not reverse:
+            yield from _cursor_range(cur, lo, hi)
+            return
+        ok = cur.prev() if cur.set_range(hi) else cur.last()
+        while ok and cur.key() >= lo:
+            yield cur.key(), cur.value()
+            ok = cur.prev()
+
+    def close(self) -> None:
+        self.txn.abort()
+
+    def __enter__(self) -> "ReadView":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _cursor_range(cur: lmdb.Cursor, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
     """Items with lo <= key < hi, ascending."""
     if not cur.set_range(lo):
@@ -713,6 +769,20 @@ def get_store_path(kv) -> Optional[bytes]:
 def set_store(kv, store_uuid: bytes, path: bytes) -> None:
     kv.put("meta", b"store_uuid", store_uuid)
     kv.put("meta", b"store_path", path)
+
+
+def get_log_path(kv) -> Optional[bytes]:
+    """The log the index was last mounted with, as `set_log_path` stored it."""
+    return kv.get("meta", b"log_path")
+
+
+def set_log_path(kv, path: bytes) -> None:
+    kv.put("meta", b"log_path", path)
+
+
+def has_log_chunks(kv) -> bool:
+    """Whether any chunk lives in the log (the log is then needed to read it)."""
+    return next(iter(kv.items("logmap", u64(0), u64((1 << 64) - 1))), None) is not None
 
 
 def find_chunk_no(kv, chunk_id: bytes) -> Optional[int]:

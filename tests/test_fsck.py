@@ -224,3 +224,158 @@ def test_fsck_of_a_plain_directory_fails(tmp_path: Path):
     from conftest import run_ckptfs
     res = run_ckptfs("fsck", str(tmp_path), check=False)
     assert res.returncode == 1 and "holds no ckptfs" in res.stderr
+
+
+# ------------------------------------------- what fsck did not check (issue 10, item 10)
+
+def _damage_first_log_chunk(m, log_path: Path, name: bytes) -> None:
+    index = Index(str(m.source / ".ckptfs" / "index"))
+    try:
+        chunk = first_chunk(index, ix.dirent_decode(
+            index.get("dirents", ix.dirent_key(ix.ROOT_INO, name)))[0])
+    finally:
+        index.close()
+    with open(log_path, "r+b") as f:
+        f.seek(chunk.log_off + 77)
+        byte = f.read(1)
+        f.seek(chunk.log_off + 77)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
+def test_fsck_without_pmem_checks_the_log_the_mount_used(make_mount, tmp_path):
+    """The log placed elsewhere at mount: fsck without -o pmem= still checks it."""
+    log_path = tmp_path / "elsewhere" / "ckpt.log"
+    log_path.parent.mkdir()
+    m = make_mount(options=["pmem_size=64M", f"pmem={log_path}"])
+    (m.path / "f").write_bytes(os.urandom(1 << 20))
+    m.umount()
+    assert m.fsck().returncode == CLEAN
+    _damage_first_log_chunk(m, log_path, b"f")
+    res = m.fsck()
+    assert res.returncode == LEFT and "[data]" in res.stdout, res.stdout
+    assert "clean" not in res.stdout
+    m.start()                                   # and the mount finds it without pmem= too
+    with pytest.raises(OSError) as err:
+        (m.path / "f").read_bytes()
+    assert err.value.errno == 5
+
+
+def test_fsck_with_the_log_missing_says_what_it_did_not_check(written):
+    log_path = written.source / ".ckptfs" / "pmem.log"
+    log_path.rename(log_path.with_name("pmem.away"))
+    res = written.fsck()
+    assert res.returncode == LEFT, res.stdout + res.stderr
+    assert "clean" not in res.stdout
+    lines = [ln for ln in res.stdout.splitlines() if "not checked" in ln]
+    assert len(lines) == 1 and "pmem.log" in lines[0], res.stdout
+
+
+def test_fsck_with_the_backing_store_gone_is_not_clean(make_mount, tmp_path):
+    from conftest import run_ckptfs
+    store = tmp_path / "store"
+    m = make_mount(options=["pmem_size=64M", f"backing={store}"])
+    (m.path / "cold").write_bytes(os.urandom(2 << 20))
+    run_ckptfs("tier", str(m.path), "--now", "--all")
+    m.umount()
+    assert m.fsck().returncode == CLEAN
+    store.rename(tmp_path / "store.away")
+    res = m.fsck()
+    assert res.returncode == LEFT, res.stdout + res.stderr
+    assert "clean" not in res.stdout
+    lines = [ln for ln in res.stdout.splitlines() if "not checked" in ln]
+    assert len(lines) == 1 and str(store) in lines[0], res.stdout
+
+
+def test_fsck_no_data_does_not_claim_the_data_was_checked(written):
+    res = written.fsck("--no-data")
+    assert res.returncode == CLEAN
+    assert "data not read" in res.stdout, res.stdout
+
+
+# ------------------------------------------------------------- namespace damage
+
+def _add_entry(txn, parent: int, name: bytes, ino: int) -> int:
+    cookie = ix.read_counter(txn, b"next_cookie")
+    txn.put("meta", b"next_cookie", ix.u64_le(cookie + 1))
+    txn.put("dirents", ix.dirent_key(parent, name), ix.dirent_value(ino, cookie))
+    txn.put("dirlist", ix.dirlist_key(parent, cookie), name)
+    return cookie
+
+
+def _rename_entry(txn, parent: int, old: bytes, new: bytes) -> None:
+    ino, cookie = lookup(txn, parent, old)
+    txn.delete("dirents", ix.dirent_key(parent, old))
+    txn.put("dirents", ix.dirent_key(parent, new), ix.dirent_value(ino, cookie))
+    txn.put("dirlist", ix.dirlist_key(parent, cookie), new)
+
+
+@pytest.mark.parametrize("bad", [b".", b"..", b"", b"a/b", b"nul\0name"])
+def test_entry_with_an_impossible_name_goes_to_lost_found(written, bad):
+    plant(written, lambda txn: _rename_entry(txn, ix.ROOT_INO, b"big", bad))
+    expect_repair(written, "[names]")
+    written.start()
+    names = os.listdir(written.path)
+    assert "big" not in names and names.count("..") == 0 and names.count(".") == 0
+    rescued = [p for p in (written.path / "lost+found").iterdir()]
+    assert [p.stat().st_size for p in rescued] == [3 << 20]
+
+
+def test_dotdot_listed_in_the_root_is_removed(written):
+    plant(written, lambda txn: _add_entry(txn, ix.ROOT_INO, b"..", ix.ROOT_INO))
+    expect_repair(written, "[names]")
+    written.start()
+    assert sorted(os.listdir(written.path)) == ["big", "d", "hard", "sym"]
+
+
+def test_name_listed_twice_in_a_directory_is_repaired(written):
+    def twice(txn):
+        cookie = ix.read_counter(txn, b"next_cookie")
+        txn.put("meta", b"next_cookie", ix.u64_le(cookie + 1))
+        txn.put("dirlist", ix.dirlist_key(ix.ROOT_INO, cookie), b"big")
+    plant(written, twice)
+    expect_repair(written, "twice")
+    written.start()
+    assert sorted(os.listdir(written.path)) == ["big", "d", "hard", "sym"]
+
+
+def test_directory_named_twice_keeps_one_name(written):
+    def second_name(txn):
+        d = lookup(txn, ix.ROOT_INO, b"d")[0]
+        _add_entry(txn, ix.ROOT_INO, b"d2", d)
+    plant(written, second_name)
+    expect_repair(written, "[tree]")
+    written.start()
+    assert sorted(os.listdir(written.path)) == ["big", "d", "hard", "sym"]
+    assert os.stat(written.path).st_nlink == 3
+    assert (written.path / "d" / "a").read_bytes() == b"a" * 5000
+
+
+def test_directory_cycle_is_broken(written):
+    def cycle(txn):
+        root = ix.get_inode(txn, ix.ROOT_INO)
+        counters = {n: ix.read_counter(txn, n) for n in (b"next_ino",)}
+        a, b = counters[b"next_ino"], counters[b"next_ino"] + 1
+        txn.put("meta", b"next_ino", ix.u64_le(b + 1))
+        for ino, parent in ((a, b), (b, a)):
+            ix.put_inode(txn, ix.Inode(ino, 0o40755, 3, 0, 0, parent=parent,
+                                       mtime_ns=root.mtime_ns))
+        _add_entry(txn, a, b"b", b)
+        _add_entry(txn, b, b"a", a)
+    plant(written, cycle)
+    expect_repair(written, "[tree]")
+    written.start()
+    rescued = os.listdir(written.path / "lost+found")
+    assert len(rescued) == 1
+    inner = os.listdir(written.path / "lost+found" / rescued[0])
+    assert len(inner) == 1 and os.listdir(written.path / "lost+found" / rescued[0] / inner[0]) == []
+
+
+def test_parent_pointer_that_disagrees_is_mended(written):
+    def wrong(txn):
+        d = ix.get_inode(txn, lookup(txn, ix.ROOT_INO, b"d")[0])
+        d.parent = 12345
+        ix.put_inode(txn, d)
+    plant(written, wrong)
+    expect_repair(written, "records parent")
+    written.start()
+    assert os.path.samefile(written.path / "d" / "..", written.path)
