@@ -54,7 +54,11 @@ from .pmemlog import PmemLog
 
 log = logging.getLogger(__name__)
 
-MAX_FILE_BYTES = 1 << 62
+# The kernel's own limit for a FUSE file (MAX_LFS_FILESIZE): a write past it
+# fails with EFBIG in write(2). A smaller limit here would fail only when the
+# page is written back, after write(2) succeeded: the error would surface in
+# close and in the next syncfs(2) of the whole filesystem, by any process.
+MAX_FILE_BYTES = (1 << 63) - 1
 CHUNK_STAGED = 0                 # in memory only: never in the index
 ZERO_CHUNK = 0                   # chunk no of an all-zero chunk: stored nowhere, a hole
 ARENA_BYTES = 64 << 20           # log space a write stream reserves at a time
