@@ -19,7 +19,7 @@ from typing import Optional
 
 from . import control
 from .daemon import find_mount, mount
-from .errors import CkptfsError, OperationFailed, UsageError
+from .errors import CkptfsError, OperationFailed, UsageError, one_line
 from .options import options_help, parse_options
 from .proc import wait_exit
 
@@ -89,7 +89,7 @@ def _mount(source: str, mountpoint: str, option_strings: list[str], foreground: 
 
 
 def _fail(e: Exception) -> int:
-    print(f"ckptfs: {e}", file=sys.stderr)
+    print(one_line(f"ckptfs: {e}"), file=sys.stderr)
     return ExitCode.USAGE if isinstance(e, UsageError) else ExitCode.FAILED
 
 

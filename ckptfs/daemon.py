@@ -21,6 +21,7 @@ import dataclasses
 import fcntl
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,7 +37,7 @@ import trio
 from . import adopt, control
 from . import index as ix
 from .core import CommitPolicy, Filesystem
-from .errors import CkptfsError, FormatError, OperationFailed
+from .errors import CkptfsError, FormatError, OperationFailed, one_line
 from .files import SourceFiles
 from .fuse_ops import CkptfsOperations
 from .index import Index
@@ -226,8 +227,8 @@ def setup_logging(opts: MountOptions, foreground: bool) -> None:
 
 
 def fuse_options(opts: MountOptions) -> set[str]:
-    fsname = opts.source.replace(",", "\\,")
-    options = set(pyfuse3.default_options) | {f"fsname={fsname}", "subtype=ckptfs"}
+    options = set(pyfuse3.default_options) | {f"fsname={fsname_encode(opts.source)}",
+                                              "subtype=ckptfs"}
     if opts.allow_other:
         options.add("allow_other")
     if opts.read_only:
@@ -415,23 +416,55 @@ def find_mount(mountpoint: str, resolve: bool = True) -> Optional[tuple[str, str
 
 
 def ckptfs_mounts() -> list[tuple[str, str, str]]:
-    """(major:minor, mountpoint, source) of every ckptfs mount, from /proc/self/mountinfo."""
+    """(major:minor, mountpoint, source) of every ckptfs mount, from /proc/self/mountinfo.
+
+    Paths come back as os.fsdecode gives them (what os.path.realpath returns),
+    the source decoded from the fsname the daemon gave it (`fsname_encode`).
+    """
     mounts = []
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
             fields = line.split()
-            sep = fields.index("-")
-            if fields[sep + 1] == "fuse.ckptfs":
-                mounts.append((fields[2], _unescape(fields[4]), _unescape(fields[sep + 2])))
+            sep = fields.index(b"-")
+            if fields[sep + 1] == b"fuse.ckptfs":
+                mounts.append((fields[2].decode(), os.fsdecode(_unescape(fields[4])),
+                               fsname_decode(_unescape(fields[sep + 2]).decode("ascii",
+                                                                              "replace"))))
     return mounts
 
 
-def _unescape(field: str) -> str:
+_OCTAL = re.compile(rb"\\([0-7]{3})")
+
+
+def _unescape(field: bytes) -> bytes:
     # mountinfo writes space, tab, newline and backslash as octal escapes.
-    return field.encode().decode("unicode_escape").encode("latin-1").decode(errors="replace")
+    return _OCTAL.sub(lambda m: bytes([int(m.group(1), 8)]), field)
+
+
+# Bytes of SOURCE that go into the fsname as they are; every other byte is
+# written %XX. The fsname travels through libfuse's comma-separated option
+# list (',' separates, '\\' escapes), pyfuse3 (ASCII only) and mount(2), and
+# shows in /proc/mounts, `df` and `findmnt`: with this alphabet nothing in a
+# path can split off a mount option, any path can be mounted, and common
+# paths read as themselves.
+_FSNAME_KEEP = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+                         b"/._-+~:@")
+_PERCENT = re.compile(rb"%([0-9A-Fa-f]{2})")
+
+
+def fsname_encode(source: str) -> str:
+    """The fsname a mount of SOURCE gets: printable ASCII, no ',' '\\' or blanks."""
+    return "".join(chr(b) if b in _FSNAME_KEEP else f"%{b:02X}" for b in os.fsencode(source))
+
+
+def fsname_decode(fsname: str) -> str:
+    """SOURCE back from fsname_encode's form (a path, as os.fsdecode gives it)."""
+    raw = _PERCENT.sub(lambda m: bytes([int(m.group(1), 16)]), fsname.encode("ascii", "replace"))
+    return os.fsdecode(raw)
 
 
 def _report(ready_fd: Optional[int], message: str) -> None:
+    message = one_line(message)
     if ready_fd is None:
         if message != "OK":
             print(message, file=sys.stderr)

@@ -9,6 +9,7 @@ place and reads like the POSIX rule it implements.
 from __future__ import annotations
 
 import errno
+import re
 
 
 class CkptfsError(Exception):
@@ -169,3 +170,12 @@ class BlobDamaged(BackingError):
     failed, or it is shorter than the range asked for."""
 
     errno = errno.EIO
+
+
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def one_line(text: str) -> str:
+    """A message as the one line it must be on stderr: control characters (a
+    newline or tab in a path) are written as escapes (\\n, \\t, \\x01)."""
+    return _CONTROL_CHARS.sub(lambda m: m.group().encode("unicode_escape").decode(), text)

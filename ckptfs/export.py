@@ -69,10 +69,6 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def _unescape_fsname(source: str) -> str:
-    return source.replace("\\,", ",")
-
-
 def plan_export(path: str, dest: str) -> ExportPlan:
     """Check PATH and DEST; where the copy goes. UsageError for user mistakes."""
     if not path or not dest:
@@ -92,7 +88,7 @@ def plan_export(path: str, dest: str) -> ExportPlan:
     for dev, point, _source in ckptfs_mounts():
         if dev == _dev(st) and _under(real_src, point):
             if found is None or len(point) > len(found[1]):
-                found = (dev, point, _unescape_fsname(_source))
+                found = (dev, point, _source)
     if found is None:
         raise UsageError(f"{path} is not inside a ckptfs mount (export copies out of a "
                          "mounted ckptfs; use cp for anything else)")

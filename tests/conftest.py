@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -36,9 +37,11 @@ def run_ckptfs(*args: str, check: bool = True, timeout: float = 120,
 
 
 def is_mounted(path: Path) -> bool:
-    target = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == target for line in f)
+    # mountinfo writes space, tab, newline and backslash in paths as octal escapes.
+    target = os.fsencode(os.path.realpath(path))
+    with open("/proc/self/mountinfo", "rb") as f:
+        return any(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]),
+                          line.split()[4]) == target for line in f)
 
 
 def daemon_pid(source: Path) -> Optional[int]:

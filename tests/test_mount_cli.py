@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 
@@ -114,6 +115,70 @@ def test_option_missing_value_and_bad_size(make_mount):
         assert res.returncode == 2, opt
         one_line(res.stderr)
         assert not is_mounted(m.path)
+
+
+SOURCE_NAMES = ["inj\\,allow_other", "inj,allow_other", "inj\\,ro", "ünïcødé-检查点",
+                "with space", "tab\there", "new\nline", "trailing\\", "per%2Ccent"]
+
+
+def _mountinfo_entry(path) -> tuple[bytes, bytes, bytes]:
+    """(per-mount options, source as the kernel shows it, super options) of the mount at path."""
+    target = os.fsencode(os.path.realpath(path))
+    found = None
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields[4])
+            if point == target:
+                sep = fields.index(b"-")
+                found = (fields[5], fields[sep + 2], fields[sep + 3])
+    assert found is not None, f"{path} is not in mountinfo"
+    return found
+
+
+@pytest.mark.parametrize("name", SOURCE_NAMES, ids=lambda n: n.encode("unicode_escape").decode())
+def test_source_path_never_becomes_mount_options(make_mount, tmp_path, name):
+    """SOURCE's path goes into the fsname: no name can add a mount option
+    (`inj\\,allow_other` once mounted with allow_other), any name mounts
+    (non-ASCII could not), /proc/mounts, df and findmnt show it, and ckptfs
+    finds its own mounts by it."""
+    from ckptfs import daemon
+    from ckptfs.options import parse_options
+    src = tmp_path / name
+    src.mkdir()
+    real = os.path.realpath(src)
+    m = make_mount(source=src, options=["pmem_size=64M"])
+    wanted = parse_options(str(src), str(src), ["pmem_size=64M"])
+    per_mount, shown, super_opts = _mountinfo_entry(m.path)
+    assert (b"allow_other" in super_opts.split(b",")) == wanted.allow_other, super_opts
+    assert b"ro" not in per_mount.split(b","), per_mount
+    assert daemon.find_mount(str(src))[1] == real
+    write_file(m.path / "f", b"written")             # a read-write mount
+    fsname_encode = daemon.fsname_encode
+    assert shown == fsname_encode(real).encode() == fsname_encode(real).encode("ascii")
+    assert not set(shown) & set(b", \t\n\\"), shown
+    # What operators see.
+    res = subprocess.run(["df", "--output=source,fstype", str(m.path)], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0 and fsname_encode(real) in res.stdout, res
+    res = subprocess.run(["findmnt", "-n", "-r", "-o", "SOURCE,FSTYPE", "-M", real],
+                         capture_output=True, text=True, timeout=60)
+    assert res.stdout.split() == [fsname_encode(real), "fuse.ckptfs"], res
+    # Mounting again is refused as "already mounted", by SOURCE.
+    res = helper(str(src), str(src), "-o", "pmem_size=64M")
+    assert res.returncode == 1 and "already mounted" in one_line(res.stderr)
+    m.umount()
+    # Mounted elsewhere: recover knows SOURCE is in use by its fsname.
+    mnt = tmp_path / (name + "-mnt")
+    mnt.mkdir()
+    m.path = mnt
+    m.start()
+    assert read_file(mnt / "f") == b"written"
+    assert _mountinfo_entry(mnt)[1] == fsname_encode(real).encode()
+    assert daemon.find_mount(str(mnt))[1] == real
+    res = run_ckptfs("recover", str(src), check=False)
+    assert res.returncode == 1 and "unmount it first" in one_line(res.stderr), res.stderr
+    m.umount()
 
 
 @pytest.mark.parametrize("location", ["s3://bucket/x", "S3://bucket/x", "gs://b/p",
