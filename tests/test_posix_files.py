@@ -211,6 +211,40 @@ def test_file_over_4gib(mounted, fsck_clean):
     check_clean(fsck_clean, mounted)
 
 
+def test_file_size_limit_is_efbig_at_the_call(mounted, fsck_clean):
+    """ckptfs's size limit is the kernel's (2^63 - 1): the byte before it can be
+    written (close and fsync succeed), a write past it fails in write(2) itself
+    and changes nothing (EFBIG; EINVAL when offset + length overflows off_t), and
+    no error is left for close."""
+    limit = (1 << 63) - 1
+    p = mounted.path / "edge"
+    p.write_bytes(b"head")
+    fd = os.open(p, os.O_RDWR)
+    try:
+        assert os.pwrite(fd, b"x", limit - 1) == 1
+        os.fsync(fd)
+        expect_errno(errno.EINVAL, os.pwrite, fd, b"y", limit)
+        expect_errno(errno.EINVAL, os.pwrite, fd, b"yz", limit - 1)
+        assert os.fstat(fd).st_size == limit
+    finally:
+        os.close(fd)                            # EIO here when ckptfs stopped at 2^62
+    fd = os.open(p, os.O_WRONLY | os.O_APPEND)
+    try:
+        expect_errno(errno.EFBIG, os.write, fd, b"appended")
+    finally:
+        os.close(fd)
+    mounted.remount()
+    assert os.stat(p).st_size == limit
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert os.pread(fd, 5, 0) == b"head\0"
+        assert os.pread(fd, 2, limit - 2) == b"\0x"   # (a longer read there overflows: EINVAL)
+    finally:
+        os.close(fd)
+    assert os.stat(p).st_blocks * 512 <= 1 << 20     # two pages of data, not 8 EiB
+    check_clean(fsck_clean, mounted)
+
+
 def test_o_trunc_rewrite_new_content_after_close(mounted, fsck_clean):
     p = mounted.path / "ckpt.pt"
     old = pattern(5 * MiB, 8)
