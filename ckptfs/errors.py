@@ -147,6 +147,15 @@ class BackingUnavailable(BackingError):
     errno = errno.EIO
 
 
+class BackingCredentials(BackingUnavailable):
+    """The backing store refused our credentials, or none were found (an S3
+    store: no keys in the environment, the shared files or the profile;
+    unknown key, bad secret, expired token). Not a passing outage: a mount
+    that meets it fails with one line."""
+
+    errno = errno.EIO
+
+
 class BackingFull(BackingError):
     """The backing store has no room (ENOSPC, quota)."""
 

@@ -7,7 +7,10 @@ conformance tests only talk to the `Backend` interface and the harness; to run
 them against another backend (S3), add a harness to `HARNESSES`.
 
 Read-only and full stores use small tmpfs mounts (needs root: skipped, with
-the reason, otherwise); every mount is undone in a `finally`.
+the reason, otherwise); every mount is undone in a `finally`. The S3 harness
+runs against a real Ceph RADOS Gateway (the session's `rgw` fixture): a fresh
+bucket per store, a read-only key pair for a read-only store, a 1 MiB bucket
+quota for a full one.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
+import botocore.session
 import pytest
+from botocore.exceptions import ClientError
 
 from ckptfs.backing import LocalBackend, open_backend
 from ckptfs.backing.base import MARKER_NAME, Backend
 from ckptfs.backing.faulty import FaultyBackend
+from ckptfs.backing.s3 import S3Backend
 from ckptfs.errors import (AlreadyExists, BackingError, BackingFull, BackingReadOnly,
                            BackingUnavailable, BlobDamaged, BlobMissing, InvalidArgument,
                            UsageError)
@@ -165,12 +171,142 @@ class FaultyLocalHarness(LocalHarness):
         return FaultyBackend(backend)
 
 
-HARNESSES = [LocalHarness, FaultyLocalHarness]
+class S3Harness:
+    """S3Backend on the test RGW: each store a fresh bucket (prefix "store"),
+    reached through an AWS profile in shared config files, the standard way.
+    Parts of 64 KiB (the test RGW allows them) so multipart uploads are
+    exercised by every blob over 64 KiB."""
+
+    id = "s3"
+    needs_rgw = True
+    PART_BYTES = 64 * KIB
+
+    def __init__(self, base: Path, rgw) -> None:
+        self.base = base
+        self.rgw = rgw
+        self.made: list[Backend] = []
+        self.buckets: list[str] = []
+        self.admin = s3_client(rgw)
+
+    def session(self, read_only: bool = False):
+        return s3_session(self.rgw, read_only)
+
+    def _backend(self, url: str, store_uuid=None, read_only: bool = False,
+                 create: bool = False) -> Backend:
+        kw = dict(session=self.session(read_only), part_size_bytes=self.PART_BYTES,
+                  connect_timeout_s=2, read_timeout_s=10, max_attempts=2)
+        b = S3Backend.create(url, store_uuid, **kw) if create else S3Backend(url, store_uuid,
+                                                                              **kw)
+        self.made.append(b)
+        return b
+
+    def new_bucket(self) -> str:
+        name = f"ckptfs-t-{uuid.uuid4().hex[:16]}"
+        self.admin.create_bucket(Bucket=name)
+        self.buckets.append(name)
+        return name
+
+    def make(self, sub: str = "store") -> Backend:
+        return self._backend(f"s3://{self.new_bucket()}/{sub}", create=True)
+
+    def reopen(self, backend: Backend, store_uuid=None) -> Backend:
+        return self._backend(backend.url, store_uuid or backend.store_uuid)
+
+    def keys(self, backend: Backend) -> list[str]:
+        pages = self.admin.get_paginator("list_objects_v2").paginate(
+            Bucket=backend.bucket, Prefix=backend.prefix + "/")
+        return [o["Key"] for p in pages for o in p.get("Contents", ())]
+
+    def uploads(self, backend: Backend) -> list[tuple[str, str]]:
+        resp = self.admin.list_multipart_uploads(Bucket=backend.bucket)
+        return [(u["Key"], u["UploadId"]) for u in resp.get("Uploads", ())]
+
+    def empty(self, bucket: str) -> None:
+        for key, upload in self.uploads(S3Backend(f"s3://{bucket}")):
+            self.admin.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
+        pages = self.admin.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for key in [o["Key"] for p in pages for o in p.get("Contents", ())]:
+            self.admin.delete_object(Bucket=bucket, Key=key)
+
+    def vanish(self, backend: Backend) -> None:
+        """The bucket is gone."""
+        self.empty(backend.bucket)
+        self.admin.delete_bucket(Bucket=backend.bucket)
+
+    def unmount(self, backend: Backend) -> None:
+        """Every object of the store is gone, the bucket left behind."""
+        self.empty(backend.bucket)
+
+    def assert_not_recreated(self, backend: Backend, was_empty_dir: bool) -> None:
+        if was_empty_dir:
+            assert self.keys(backend) == [] and self.uploads(backend) == [], "store recreated"
+        else:
+            with pytest.raises(ClientError, match="404|NoSuchBucket|Not Found"):
+                self.admin.head_bucket(Bucket=backend.bucket)
+
+    def leftovers(self, backend: Backend) -> list[str]:
+        """Traces of uncommitted blobs: multipart uploads, probes."""
+        return [k for k, _ in self.uploads(backend)] + \
+            [k for k in self.keys(backend) if "/." in k]
+
+    @contextlib.contextmanager
+    def readonly_store(self, seed: dict[str, bytes]) -> Iterator[Backend]:
+        """A store holding `seed`, reached with a key pair that may only read."""
+        b = self.make()
+        for name, data in seed.items():
+            put(b, name, data)
+        yield self._backend(b.url, b.store_uuid, read_only=True)
+
+    @contextlib.contextmanager
+    def full_store(self) -> Iterator[Backend]:
+        """A store in a bucket with a quota of 1 MiB."""
+        b = self.make()
+        self.rgw.admin("quota", "set", "--quota-scope=bucket", f"--bucket={b.bucket}",
+                       "--max-size=1048576")
+        self.rgw.admin("quota", "enable", "--quota-scope=bucket", f"--bucket={b.bucket}")
+        yield b
+
+    def close(self) -> None:
+        for b in self.made:
+            b.close()
+        for bucket in self.buckets:
+            try:
+                self.empty(bucket)
+                self.admin.delete_bucket(Bucket=bucket)
+            except ClientError:
+                pass                             # vanished by the test itself
+
+
+_SESSIONS: dict = {}
+
+
+def s3_session(rgw, read_only: bool = False):
+    """A botocore session reading the test RGW's AWS config and credentials
+    files, profile ckptfs-rgw (or ckptfs-rgw-ro); one per kind, since loading
+    the S3 model is slow."""
+    key = (rgw.state_dir, read_only)
+    if key not in _SESSIONS:
+        config, creds = rgw.write_aws_files()
+        sess = botocore.session.Session(profile="ckptfs-rgw-ro" if read_only else "ckptfs-rgw")
+        sess.set_config_variable("config_file", config)
+        sess.set_config_variable("credentials_file", creds)
+        _SESSIONS[key] = sess
+    return _SESSIONS[key]
+
+
+def s3_client(rgw):
+    return s3_session(rgw).create_client("s3")
+
+
+HARNESSES = [LocalHarness, FaultyLocalHarness, S3Harness]
 
 
 @pytest.fixture(params=HARNESSES, ids=lambda h: h.id)
 def harness(request, tmp_path):
-    h = request.param(tmp_path)
+    if getattr(request.param, "needs_rgw", False):
+        h = request.param(tmp_path, request.getfixturevalue("rgw"))
+    else:
+        h = request.param(tmp_path)
     try:
         yield h
     finally:
@@ -631,10 +767,13 @@ def test_open_backend(tmp_path):
     b = open_backend(str(tmp_path / "s"), create=True)
     assert isinstance(b, LocalBackend)
     assert open_backend("file://" + str(tmp_path / "s"), b.store_uuid).list() == []
-    with pytest.raises(UsageError):
-        open_backend("s3://bucket/x")
-    with pytest.raises(UsageError):
-        open_backend("relative/dir")
+    s3 = open_backend("s3://bucket/x/y/")                   # no I/O until used
+    assert isinstance(s3, S3Backend) and s3.url == "s3://bucket/x/y"
+    assert (s3.bucket, s3.prefix) == ("bucket", "x/y")
+    for bad in ("s3://b/x", "s3://AKIA:secret@bucket/x", "s3://bucket/x?region=y",
+                "s3://bucket/../x", "ftp://host/x", "relative/dir"):
+        with pytest.raises(UsageError):
+            open_backend(bad)
 
 
 # -- the fault injector ----------------------------------------------------------------------

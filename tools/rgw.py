@@ -278,7 +278,7 @@ memstore device bytes = {self.memstore_bytes}
 osd crush chassis type = 0
 
 [client.rgw]
-rgw frontends = beast endpoint=127.0.0.1:{self.rgw_port}
+rgw frontends = beast endpoint=127.0.0.1:{self.rgw_port} tcp_nodelay=1
 rgw data = {d}/rgw
 rgw gc obj min wait = 0
 rgw gc processor period = 60

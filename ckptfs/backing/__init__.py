@@ -1,9 +1,9 @@
 """Backing storage: where cold chunks go, as pack files (`ckptfs.packs`).
 
 `base` defines the interface (`Backend`, `BlobWriter`, blob names and errors),
-`local` stores blobs in a directory (local disk, NFS, Lustre), `faulty` wraps
-any backend to fail on demand in tests. `open_backend` picks a backend from a
-location string.
+`local` stores blobs in a directory (local disk, NFS, Lustre), `s3` in an S3
+bucket (AWS, Ceph RGW, MinIO), `faulty` wraps any backend to fail on demand in
+tests. `open_backend` picks a backend from a location string.
 """
 
 from __future__ import annotations
@@ -59,13 +59,19 @@ def check_location(location: str) -> str:
 
 
 def open_backend(location: str, store_uuid: Optional[UuidLike] = None, *,
-                 create: bool = False) -> Backend:
-    """The backend at `location`: a directory path or a "file://" url.
+                 create: bool = False, **kw) -> Backend:
+    """The backend at `location`: a directory path, a "file://" url, or an
+    "s3://BUCKET/PREFIX" url (`kw` goes to `S3Backend`).
 
     Without `create` no I/O is done (the store may be away at startup; call
     `check()`); with it the store is created if needed (first use only: see
     `LocalBackend.create`).
     """
+    if location[:5].lower() == "s3://":
+        from .s3 import S3Backend               # botocore only when S3 is used
+        if create:
+            return S3Backend.create(location, store_uuid, **kw)
+        return S3Backend(location, store_uuid, **kw)
     path = check_location(location)
     if create:
         return LocalBackend.create(path, store_uuid)

@@ -33,13 +33,16 @@ Errors are the project's own (`ckptfs.errors`), each naming the store (its
 
 from __future__ import annotations
 
+import json
 import uuid as uuidlib
 from abc import ABC, abstractmethod
 from typing import Optional, Union
 
-from ..errors import InvalidArgument
+from ..errors import BackingUnavailable, InvalidArgument
 
 MARKER_NAME = "ckptfs-store"
+MARKER_FORMAT = "ckptfs-store"
+MARKER_VERSION = 1
 MAX_COMPONENT_BYTES = 200
 
 UuidLike = Union[uuidlib.UUID, str, bytes]
@@ -52,6 +55,27 @@ def as_uuid(value: Optional[UuidLike]) -> Optional[uuidlib.UUID]:
     if isinstance(value, (bytes, bytearray)):
         return uuidlib.UUID(bytes=bytes(value))
     return uuidlib.UUID(str(value))
+
+
+def marker_body(store_uuid: uuidlib.UUID) -> bytes:
+    """The store marker every backend keeps at its root: one line of JSON,
+    {"format": "ckptfs-store", "version": 1, "uuid": "<store uuid>"}."""
+    return json.dumps({"format": MARKER_FORMAT, "version": MARKER_VERSION,
+                       "uuid": str(store_uuid)}).encode() + b"\n"
+
+
+def parse_marker(raw: bytes, url: str) -> uuidlib.UUID:
+    """The store uuid in a marker's bytes; BackingUnavailable if damaged."""
+    try:
+        doc = json.loads(raw)
+        if doc.get("format") != MARKER_FORMAT:
+            raise ValueError(f"format {doc.get('format')!r}")
+        if doc.get("version") != MARKER_VERSION:
+            raise ValueError(f"version {doc.get('version')!r}")
+        return uuidlib.UUID(doc["uuid"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise BackingUnavailable(f"{url}: store marker {MARKER_NAME} is damaged "
+                                 f"or of another version ({e})") from None
 
 
 def validate_name(name: str) -> str:

@@ -32,7 +32,6 @@ name drops its cached fd; ESTALE (NFS) reopens once.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import secrets
 import stat
@@ -44,11 +43,9 @@ from typing import Optional
 
 from ..errors import (AlreadyExists, BackingError, BackingFull, BackingReadOnly,
                       BackingUnavailable, BlobDamaged, BlobMissing, InvalidArgument)
-from .base import (MARKER_NAME, Backend, BlobWriter, UuidLike, as_uuid, validate_name,
-                   validate_prefix)
+from .base import (MARKER_NAME, Backend, BlobWriter, UuidLike, as_uuid, marker_body,
+                   parse_marker, validate_name, validate_prefix)
 
-MARKER_FORMAT = "ckptfs-store"
-MARKER_VERSION = 1
 TMP_TAG = ".tmp-"
 _WRITE_OPS = frozenset({"write", "create", "commit", "delete", "mkdir", "check"})
 _UNAVAILABLE_ERRNOS = frozenset({errno.ENOTCONN, errno.ESTALE, errno.EIO, errno.ETIMEDOUT,
@@ -140,8 +137,7 @@ class LocalBackend(Backend):
                 raise AlreadyExists(f"{backend.url}: not empty and not a ckptfs store "
                                     f"(holds {shown}); refusing to create a store there")
             new = wanted or uuidlib.uuid4()
-            body = json.dumps({"format": MARKER_FORMAT, "version": MARKER_VERSION,
-                               "uuid": str(new)}).encode() + b"\n"
+            body = marker_body(new)
             tmp = os.path.join(root, _tmp_name(MARKER_NAME))
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
@@ -168,16 +164,7 @@ class LocalBackend(Backend):
                 raw = f.read(4096)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        try:
-            doc = json.loads(raw)
-            if doc.get("format") != MARKER_FORMAT:
-                raise ValueError(f"format {doc.get('format')!r}")
-            if doc.get("version") != MARKER_VERSION:
-                raise ValueError(f"version {doc.get('version')!r}")
-            return uuidlib.UUID(doc["uuid"])
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise BackingUnavailable(f"{self.url}: store marker {MARKER_NAME} is damaged "
-                                     f"or of another version ({e})") from None
+        return parse_marker(raw, self.url)
 
     def _verify_marker(self) -> uuidlib.UUID:
         try:
