@@ -1,0 +1,115 @@
+"""DeepSpeed ZeRO checkpoints on ckptfs: two CPU ranks (gloo), stage 1 and 2.
+
+What DeepSpeed 0.19.8 does on engine.save_checkpoint(dir, tag) with ZeRO
+stage 1/2: rank 0 torch.saves `tag/mp_rank_00_model_states.pt` (the module's
+state dict, frozen-parameter fragments, buffers); every rank torch.saves its
+optimizer partition `tag/zero_pp_rank_<r>_mp_rank_00_optim_states.pt` (its
+slice of the flat fp32 master weights and Adam moments); rank 0 copies
+zero_to_fp32.py and zero_to_torch.py into dir and writes `latest` (the tag)
+after all ranks are done. load_checkpoint(dir) reads `latest`.
+
+The ranks run tests/helpers/compat_deepspeed_worker.py as processes of their
+own; after a remount a fresh job loads the checkpoint through `latest` and
+every rank's module and optimizer state is compared with what it held at
+the save, resumed training is compared with the run that never stopped,
+and the checkpoint's own zero_to_fp32.py consolidates the shards from the
+mount into safetensors that must equal the model (stage 2: every parameter;
+stage 1 saves no frozen-parameter fragments, so only the trained ones).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("deepspeed is not installed (pip install -e '.[test]' installs it)",
+                allow_module_level=True)
+
+torch = pytest.importorskip("torch")
+st_torch = pytest.importorskip("safetensors.torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+from compat_util import HELPERS, run, sha256_file  # noqa: E402
+
+WORLD = 2
+ENV = dict(os.environ, DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+           PYTHONWARNINGS="ignore")
+
+
+@pytest.fixture
+def mounted(make_mount):
+    return make_mount(options=["pmem_size=128M"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(stage: int, mode: str, ckpt_dir: Path, plain: Path, timeout: float = 300) -> None:
+    """Both ranks of one DeepSpeed job; each must exit 0."""
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(HELPERS / "compat_deepspeed_worker.py"), str(rank), str(WORLD),
+         str(port), str(stage), mode, str(ckpt_dir), str(plain)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        for rank in range(WORLD)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {rank} {mode} failed:\n{out[-4000:]}"
+
+
+def shas(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): sha256_file(p) for p in sorted(root.rglob("*"))
+            if p.is_file() and ".ckptfs" not in p.parts}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_save_load_and_zero_to_fp32(mounted, fsck_clean, tmp_path, stage):
+    ckpts, plain = mounted.path / "ckpts", tmp_path / "plain"
+    plain.mkdir()
+    run_ranks(stage, "save", ckpts, plain)
+    shards = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+              "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert sorted(os.listdir(ckpts)) == ["global_step2", "global_step4", "latest",
+                                         "zero_to_fp32.py", "zero_to_torch.py"]
+    for tag in ("global_step2", "global_step4"):
+        assert sorted(os.listdir(ckpts / tag)) == shards
+    assert (ckpts / "latest").read_text() == "global_step4"
+    before = shas(mounted.path)
+
+    mounted.remount()
+    assert shas(mounted.path) == before
+    run_ranks(stage, "load", ckpts, plain)
+    # The checkpoint's own conversion script, reading the shards from the mount.
+    out = mounted.path / "fp32"
+    run([sys.executable, ckpts / "zero_to_fp32.py", ckpts, out, "--safe_serialization"],
+        env=ENV, timeout=300)
+    mounted.remount()
+    got = st_torch.load((out / "model.safetensors").read_bytes())   # no mmap left on the mount
+    want = torch.load(plain / "weights-global_step4.pt", weights_only=True)
+    if stage == 1:
+        # Stage 1 saves no frozen-parameter fragments, so zero_to_fp32 gives the
+        # trained parameters only (the frozen ones are in mp_rank_00_model_states.pt).
+        frozen = ("embed.", "blocks.0.")
+        want = {k: v for k, v in want.items() if not k.startswith(frozen)}
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    fsck_clean(mounted)
