@@ -9,6 +9,9 @@ or, from Python (tests/conftest.py):
 
     with RGW.start(state_dir) as rgw:
         rgw.endpoint_url, rgw.access_key, rgw.secret_key, rgw.env()
+        rgw.stop_gateway(); rgw.start_gateway()     # the endpoint down, then back
+        rgw.pause(); rgw.resume()                   # SIGSTOP: requests time out
+        rgw.admin("quota", ...)                     # radosgw-admin on this cluster
 
 Needs Debian's `ceph-mon ceph-osd radosgw` (tools/setup-debian.sh --with-tests
 installs them). Everything lives in the state directory (config, mon store,
@@ -143,6 +146,9 @@ class RGW:
     read_only_access_key: str = READ_ONLY_ACCESS_KEY
     read_only_secret_key: str = READ_ONLY_SECRET_KEY
     region: str = REGION
+
+    def __post_init__(self) -> None:
+        self._procs: dict[str, subprocess.Popen] = {}    # the daemons this process started
 
     # -- what clients need ----------------------------------------------------------
 
@@ -332,7 +338,6 @@ rgw user quota sync interval = 0
                            f"(logs in {self._p('log')})")
 
     def _start(self, bound_to_parent: bool, deadline: float) -> None:
-        self._procs: dict[str, subprocess.Popen] = {}
         for sub in ("run", "log", "mon", "osd", "rgw"):
             os.makedirs(self._p(sub), exist_ok=True)
         self.mon_port, self.rgw_port = _free_port(), _free_port()
@@ -377,10 +382,13 @@ rgw user quota sync interval = 0
                    f"--secret-key={self.read_only_secret_key}"],
                   deadline, "radosgw-admin subuser create")
 
-        # The gateway.
+        self._start_gateway(bound_to_parent, deadline)
+
+    def _start_gateway(self, bound_to_parent: bool, deadline: float) -> None:
         if _port_answers(self.rgw_port):
             raise RGWError(f"port {self.rgw_port} was taken meanwhile: try again")
-        self._spawn("rgw", ["radosgw", "-f", "-n", "client.rgw", *conf], bound_to_parent)
+        self._spawn("rgw", ["radosgw", "-f", "-n", "client.rgw", "-c", self.conf_path],
+                    bound_to_parent)
         while True:
             self._check_alive("rgw")
             if self._answers():
@@ -417,6 +425,20 @@ rgw user quota sync interval = 0
         return self._run(["radosgw-admin", "-c", self.conf_path, "-n", "client.rgw", *args],
                          time.monotonic() + timeout_s, "radosgw-admin " + " ".join(args))
 
+    def stop_gateway(self) -> None:
+        """Stop radosgw only (the endpoint is down; the data stays in the OSD)."""
+        pid = self.pids.pop("rgw", None)
+        if pid is not None:
+            _stop_pid(pid, self._procs.pop("rgw", None), 10.0)
+        self._save()
+
+    def start_gateway(self, *, bound_to_parent: bool = True, timeout_s: float = 30.0) -> None:
+        """Start radosgw again on its port, after `stop_gateway`."""
+        if "rgw" in self.pids:
+            raise RGWError("the gateway is running")
+        self._start_gateway(bound_to_parent, time.monotonic() + timeout_s)
+        self._save()
+
     def pause(self) -> None:
         """SIGSTOP the gateway: connections are accepted, nothing answers."""
         os.kill(self.pids["rgw"], signal.SIGSTOP)
@@ -433,7 +455,7 @@ rgw user quota sync interval = 0
             pid = self.pids.get(role)
             if pid is None:
                 continue
-            proc = getattr(self, "_procs", {}).get(role)
+            proc = self._procs.get(role)
             _stop_pid(pid, proc, timeout_s)
         if self.pids:
             self.pids = {}
