@@ -68,6 +68,13 @@ class ValueTooLarge(CkptfsError):
     errno = errno.E2BIG
 
 
+class NoXattrSpace(CkptfsError):
+    """An inode's xattrs would exceed their limit (ext4 says ENOSPC when its
+    xattr space is full)."""
+
+    errno = errno.ENOSPC
+
+
 class FileTooLarge(CkptfsError):
     errno = errno.EFBIG
 

@@ -19,6 +19,7 @@ import pyfuse3
 from .core import Attrs, Filesystem
 from .errors import CkptfsError
 from .index import ROOT_INO
+from .namespace import ACL_ACCESS
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +239,11 @@ class CkptfsOperations(pyfuse3.Operations):
 
     @_errno_edge
     async def setxattr(self, inode, name, value, ctx):
-        self.fs.ns.setxattr(inode, name, value, self.fs.now_ns())
+        self.fs.ns.setxattr(inode, name, value, self.fs.now_ns(), ctx.uid)
+        if name == ACL_ACCESS:
+            # It changed the mode: the kernel would go on showing (and checking)
+            # the cached one. Attributes only, so no writeback to wait for.
+            pyfuse3.invalidate_inode(inode, attr_only=True)
 
     @_errno_edge
     async def listxattr(self, inode, ctx):
@@ -246,7 +251,7 @@ class CkptfsOperations(pyfuse3.Operations):
 
     @_errno_edge
     async def removexattr(self, inode, name, ctx):
-        self.fs.ns.removexattr(inode, name, self.fs.now_ns())
+        self.fs.ns.removexattr(inode, name, self.fs.now_ns(), ctx.uid)
 
     # ----------------------------------------------------------------- misc
 

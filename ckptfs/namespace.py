@@ -18,13 +18,20 @@ from typing import Iterator, Optional
 
 from . import index as ix
 from .errors import (AlreadyExists, InvalidArgument, IsADirectory, NameTooLong,
-                     NoXattr, NotADirectory, NotEmpty, NotFound, NotPermitted,
+                     NoXattr, NoXattrSpace, NotADirectory, NotEmpty, NotFound, NotPermitted,
                      NotSupported, StaleHandle, TooManyLinks, ValueTooLarge)
 from .index import ROOT_INO, Index, Inode
 
 NAME_MAX = 255
 XATTR_NAME_MAX = 255
 XATTR_VALUE_MAX = 64 * 1024
+# Extended attributes of one inode, names and values together, at most: the
+# most one listxattr or getxattr call can carry (the kernel's XATTR_LIST_MAX
+# and XATTR_SIZE_MAX), so every attribute set can be listed and read back, and
+# far more than checkpoints use (ext4 fits them in one 4 KiB block). It bounds
+# what any user who may write a file can add to the index per inode; beyond
+# it setxattr answers ENOSPC, as ext4 does when its xattr space is full.
+XATTR_INODE_MAX_BYTES = 64 * 1024
 LINK_MAX = 65000
 STATE_DIR_NAME = b".ckptfs"
 RENAME_NOREPLACE = 1
@@ -32,6 +39,9 @@ RENAME_EXCHANGE = 2
 # POSIX ACL xattrs (the kernel passes them through: FUSE_POSIX_ACL is not negotiated).
 ACL_ACCESS = b"system.posix_acl_access"
 ACL_DEFAULT = b"system.posix_acl_default"
+# The kernel leaves every check on system.* names to the filesystem: these two
+# are the only ones ckptfs knows; any other is refused as ext4 refuses it.
+SYSTEM_PREFIX = b"system."
 _ACL_HEADER = struct.Struct("<I")
 _ACL_ENTRY = struct.Struct("<HHI")
 _ACL_VERSION = 2
@@ -343,35 +353,53 @@ class Namespace:
 
     def getxattr(self, ino: int, name: bytes) -> bytes:
         self.get(ino)
+        _check_system_name(name)
         value = self.index.get("xattrs", ix.xattr_key(ino, name))
         if value is None:
             raise NoXattr(f"no xattr {name!r} on inode {ino}")
         return value
 
-    def setxattr(self, ino: int, name: bytes, value: bytes, now_ns: int) -> None:
+    def setxattr(self, ino: int, name: bytes, value: bytes, now_ns: int, uid: int) -> None:
+        """Set an xattr for the caller uid. The kernel has checked user.*,
+        trusted.* and security.*; system.* is ours to check."""
         if not name or len(name) > XATTR_NAME_MAX:
             raise InvalidArgument(f"xattr name of {len(name)} bytes") if not name else \
                 NameTooLong(f"xattr name of {len(name)} bytes")
         if len(value) > XATTR_VALUE_MAX:
             raise ValueTooLarge(f"xattr value of {len(value)} bytes")
         inode = self.get(ino)
+        _check_system_name(name)
+        if name.startswith(SYSTEM_PREFIX):
+            _check_acl_owner(inode, uid, name)
         if name == ACL_ACCESS:
             # As ext4 does with an ACL equivalent to the mode: set the mode, store nothing.
             inode.mode = (inode.mode & ~0o777) | acl_mode_bits(value)
         elif name == ACL_DEFAULT:
             raise NotSupported("default POSIX ACLs are not supported")
         else:
+            self._check_xattr_room(ino, name, value)
             self.index.put("xattrs", ix.xattr_key(ino, name), value)
         inode.ctime_ns = now_ns
         self.put(inode)
+
+    def _check_xattr_room(self, ino: int, name: bytes, value: bytes) -> None:
+        lo, hi = ix.prefix_range(ino)
+        used = sum(len(k) - len(lo) + len(v) for k, v in self.index.items("xattrs", lo, hi)
+                   if k[len(lo):] != name)
+        if used + len(name) + len(value) > XATTR_INODE_MAX_BYTES:
+            raise NoXattrSpace(f"inode {ino}: xattrs would take {used + len(name) + len(value)} "
+                               f"bytes, more than {XATTR_INODE_MAX_BYTES}")
 
     def listxattr(self, ino: int) -> list[bytes]:
         self.get(ino)
         lo, hi = ix.prefix_range(ino)
         return [k[8:] for k, _ in self.index.items("xattrs", lo, hi)]
 
-    def removexattr(self, ino: int, name: bytes, now_ns: int) -> None:
+    def removexattr(self, ino: int, name: bytes, now_ns: int, uid: int) -> None:
         inode = self.get(ino)
+        _check_system_name(name)
+        if name.startswith(SYSTEM_PREFIX):
+            _check_acl_owner(inode, uid, name)
         key = ix.xattr_key(ino, name)
         if self.index.get("xattrs", key) is None:
             raise NoXattr(f"no xattr {name!r} on inode {ino}")
@@ -379,3 +407,13 @@ class Namespace:
         inode.ctime_ns = now_ns
         self.put(inode)
 
+
+def _check_system_name(name: bytes) -> None:
+    if name.startswith(SYSTEM_PREFIX) and name not in (ACL_ACCESS, ACL_DEFAULT):
+        raise NotSupported(f"xattr {name!r}: no such system attribute")
+
+
+def _check_acl_owner(inode: Inode, uid: int, name: bytes) -> None:
+    """POSIX ACLs are the owner's (or root's) to change, like the mode."""
+    if uid != 0 and uid != inode.uid:
+        raise NotPermitted(f"{name.decode()} of inode {inode.ino}: uid {uid} is not its owner")

@@ -5,11 +5,13 @@ could not reach without ckptfs.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pwd
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -168,3 +170,148 @@ def test_control_directory_is_made_private_when_missing(user_tmp):
     res = as_user(uid, [sys.executable, "-m", "ckptfs.cli", "stat", "/tmp"],
                   python_access=True, env=env)
     assert res.returncode == 1 and "no ckptfs daemon answers" in one_line(res.stderr)
+
+
+# ------------------------------------------------------------- system.* xattrs
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def world_dir():
+    """A directory every user can reach (pytest's own tmp dirs are 0700)."""
+    import tempfile
+    path = Path(tempfile.mkdtemp(prefix="ckptfs-sec-", dir="/tmp"))
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# Run by Debian's own python as a plain non-root user (no capabilities): each
+# step prints "ok", "ok <value>" or the errno name.
+XATTR_STEPS = r'''
+import errno, json, os, struct, sys
+root_file, user_file, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+def acl(mode):
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, (mode >> shift) & 7, 0xFFFFFFFF)
+                                           for tag, shift in ((1, 6), (4, 3), (0x20, 0)))
+
+def step(fn, *args):
+    try:
+        out = fn(*args)
+        return "ok" if out is None else f"ok {out!r}"
+    except OSError as e:
+        return "EOPNOTSUPP" if e.errno == errno.EOPNOTSUPP else errno.errorcode[e.errno]
+
+res = {
+    "set_system_root": step(os.setxattr, root_file, "system.foo", b"x" * 1000),
+    "set_system_own": step(os.setxattr, user_file, "system.foo", b"x"),
+    "get_system": step(os.getxattr, root_file, "system.foo"),
+    "remove_system": step(os.removexattr, root_file, "system.foo"),
+    "set_acl_root": step(os.setxattr, root_file, "system.posix_acl_access", acl(0o777)),
+    "remove_acl_root": step(os.removexattr, root_file, "system.posix_acl_access"),
+    "set_default_acl_root": step(os.setxattr, root_file, "system.posix_acl_default", acl(0o777)),
+    "set_acl_own": step(os.setxattr, user_file, "system.posix_acl_access", acl(0o640)),
+    "list_root": step(os.listxattr, root_file),
+}
+# Fill the own file's xattrs in 4 KiB values until refused.
+n = 0
+while n < 1000:
+    r = step(os.setxattr, user_file, f"user.k{n:03d}", bytes([n % 251]) * 4096)
+    if r != "ok":
+        res["fill_stopped"] = r
+        break
+    n += 1
+res["filled"] = n
+res["replace_same_size"] = step(os.setxattr, user_file, "user.k000", b"r" * 4096)
+res["grow_one"] = step(os.setxattr, user_file, "user.k000", b"r" * 8192)
+res["remove_one"] = step(os.removexattr, user_file, "user.k001")
+res["after_remove"] = step(os.setxattr, user_file, "user.new", b"n" * 4000)
+total = sum(len(k) + len(os.getxattr(user_file, k)) for k in os.listxattr(user_file))
+res["total"] = total
+print(json.dumps(res))
+'''
+
+
+def test_non_root_user_cannot_set_system_xattrs_nor_flood_an_inode(make_mount, world_dir):
+    """A non-root user of an allow_other mount: system.* names other than the
+    POSIX ACLs are refused as ext4 refuses them (EOPNOTSUPP), ACLs only by the
+    file's owner (EPERM otherwise; the access ACL would chmod root's file), and
+    no inode holds more than XATTR_INODE_MAX_BYTES of xattrs (ENOSPC)."""
+    from ckptfs.namespace import XATTR_INODE_MAX_BYTES
+    src = world_dir / "src"
+    src.mkdir()
+    m = make_mount(source=src, options=["pmem_size=64M", "allow_other"])
+    os.umask(old_umask := os.umask(0o022))
+    try:
+        root_file = m.path / "roots"
+        root_file.write_bytes(b"root's")
+        user_file = m.path / "users"
+        user_file.write_bytes(b"nobody's")
+    finally:
+        os.umask(old_umask)
+    os.chown(user_file, NOBODY, NOBODY)
+    res = as_user(NOBODY, ["/usr/bin/python3", "-c", XATTR_STEPS, str(root_file),
+                           str(user_file), str(XATTR_INODE_MAX_BYTES)])
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["set_system_root"] == "EOPNOTSUPP", out
+    assert out["set_system_own"] == "EOPNOTSUPP", out
+    assert out["get_system"] == "EOPNOTSUPP", out
+    assert out["remove_system"] == "EOPNOTSUPP", out
+    assert out["set_acl_root"] == "EPERM", out           # the kernel's check, and ours
+    assert out["remove_acl_root"] == "EPERM", out
+    # (The kernel refuses a default ACL on a file itself: EACCES, as on ext4.)
+    assert out["set_default_acl_root"] in ("EPERM", "EACCES"), out
+    assert out["set_acl_own"] == "ok", out
+    assert out["list_root"] == "ok []", out
+    assert os.stat(root_file).st_mode & 0o7777 == 0o644
+    assert os.stat(user_file).st_mode & 0o7777 == 0o640
+    # The flood stops at the limit, with ext4's errno; replacing within it works.
+    assert out["fill_stopped"] == "ENOSPC", out
+    assert out["filled"] == XATTR_INODE_MAX_BYTES // (4096 + len("user.k000")), out
+    assert out["replace_same_size"] == "ok" and out["grow_one"] == "ENOSPC", out
+    assert out["remove_one"] == "ok" and out["after_remove"] == "ok", out
+    assert out["total"] <= XATTR_INODE_MAX_BYTES, out
+    # Root is held to the same per-inode limit, and nothing of the refused calls stayed.
+    with pytest.raises(OSError) as e:
+        os.setxattr(user_file, "user.root", b"x" * 60000)
+    assert e.value.errno == errno.ENOSPC
+    m.remount()
+    assert "system.foo" not in os.listxattr(root_file)
+    assert sorted(os.listxattr(user_file))[:2] == ["user.k000", "user.k002"]
+    assert os.getxattr(user_file, "user.k000") == b"r" * 4096
+    assert os.stat(user_file).st_mode & 0o7777 == 0o640
+
+
+def test_acl_owner_rule_in_the_namespace(tmp_path):
+    """Recent kernels check the ACL owner rule themselves before asking ckptfs;
+    older ones pass system.posix_acl_* through as plain xattrs (FUSE_POSIX_ACL
+    is not negotiated), so the namespace applies it too, with the caller's uid."""
+    from ckptfs.errors import NotPermitted, NotSupported
+    from ckptfs.index import ROOT_INO, Index
+    from ckptfs.namespace import ACL_ACCESS, ACL_DEFAULT, Namespace
+    index = Index(str(tmp_path / "index"))
+    try:
+        index.format(b"u" * 16, 1, 0, 0)
+        ns = Namespace(index)
+        ino = ns.create(ROOT_INO, b"f", 0o100644, 1000, 1000, 1).ino
+        minimal = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, 7, 0xFFFFFFFF)
+                                                  for tag in (1, 4, 0x20))
+        for name in (ACL_ACCESS, ACL_DEFAULT):
+            with pytest.raises(NotPermitted):
+                ns.setxattr(ino, name, minimal, 2, uid=2000)
+            with pytest.raises(NotPermitted):
+                ns.removexattr(ino, name, 2, uid=2000)
+        assert ns.get(ino).mode & 0o7777 == 0o644
+        ns.setxattr(ino, ACL_ACCESS, minimal, 2, uid=1000)       # the owner
+        assert ns.get(ino).mode & 0o7777 == 0o777
+        ns.setxattr(ino, ACL_ACCESS, minimal[:4] + minimal[4:], 3, uid=0)   # root
+        for uid in (0, 1000, 2000):
+            with pytest.raises(NotSupported):
+                ns.setxattr(ino, b"system.foo", b"x", 4, uid=uid)
+            with pytest.raises(NotSupported):
+                ns.getxattr(ino, b"system.nfs4_acl")
+    finally:
+        index.close()
