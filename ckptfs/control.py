@@ -13,7 +13,8 @@ the mount's owner may connect (0600), and both the daemon and its clients
 refuse a directory another user could control (`private_socket_dir`).
 
 Ops: "stat" (the numbers `ckptfs stat` prints), "sync" (commit everything,
-wait until durable), "ping".
+wait until durable), "ping", "data_ranges" (where a file holds data, by inode
+number: `ckptfs export` keeps holes with it).
 """
 
 from __future__ import annotations

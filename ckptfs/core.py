@@ -507,6 +507,15 @@ class Filesystem:
                 self.open_count.pop(h.ino, None)
                 self._maybe_purge(h.ino)
 
+    def data_ranges(self, ino: int, start: int, max_ranges: int) -> dict[str, object]:
+        """Where a regular file holds data (for `ckptfs export`, which cannot ask
+        with SEEK_DATA through FUSE): {"size", "ranges": [[a, b], ...], "next"}."""
+        attrs = self.attrs(ino)
+        if not stat.S_ISREG(attrs.inode.mode):
+            raise InvalidArgument(f"inode {ino} is not a regular file")
+        ranges, next_off = self.files.data_ranges(ino, attrs.size, start, max_ranges)
+        return {"size": attrs.size, "ranges": [list(r) for r in ranges], "next": next_off}
+
     # ----------------------------------------------------------------- misc
 
     def statfs(self) -> dict[str, int]:

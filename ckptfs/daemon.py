@@ -360,8 +360,15 @@ def _control_handlers(fs: Filesystem) -> dict:
             return {"dead_packs": 0, "stale_manifests": 0, "temporary_files": 0}
         return await fs.tierer.gc()
 
+    async def data_ranges(args: dict) -> dict:
+        ino, start = int(args["ino"]), int(args.get("start", 0))
+        max_ranges = min(max(int(args.get("max_ranges", 4096)), 1), 65536)
+        if ino < 1 or start < 0:
+            raise ValueError("data_ranges: ino >= 1 and start >= 0")
+        return fs.data_ranges(ino, start, max_ranges)
+
     return {"stat": stat, "sync": sync, "ping": ping, "tier": tier, "tier_status": tier_status,
-            "gc": gc}
+            "gc": gc, "data_ranges": data_ranges}
 
 
 async def _watch_signals() -> None:

@@ -4,7 +4,17 @@ The copy is made of plain files, for someone without ckptfs. It keeps what
 `cp -a` keeps: file modes (setuid/setgid/sticky included), owners (when run
 as root), access and modification times to the nanosecond, symlinks as
 symlinks, hard links within the exported tree as hard links, user.* xattrs,
-FIFOs and device nodes. Holes are written as zeros.
+FIFOs and device nodes. Holes stay holes.
+
+Holes: FUSE offers no SEEK_DATA/SEEK_HOLE here, so export asks the daemon
+for the file's data ranges over the control channel (by inode number) and
+never reads a hole: an 8 EiB sparse file with a few bytes of data exports
+in no time, and nothing is guessed. When the channel cannot be used (a
+non-root user exporting from root's mount, an older daemon), every block is
+read and all-zero 4 KiB blocks are skipped, as `cp --sparse=always` does;
+st_blocks 0 (ckptfs counts only data) means there is nothing to read at all.
+Zero blocks inside data ranges are skipped too, so the copy is as sparse as
+`cp --sparse=always` would make it.
 
 Where the copy goes follows `cp -a PATH DEST`: if DEST is an existing
 directory the copy is DEST/<name of PATH>, otherwise DEST itself (its parent
@@ -32,10 +42,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+from . import control
 from .daemon import ckptfs_mounts
-from .errors import CkptfsError, UsageError
+from .errors import CkptfsError, OperationFailed, UsageError
 
 COPY_CHUNK_BYTES = 8 << 20
+HOLE_BLOCK_BYTES = 4096         # zero blocks of this size (file-aligned) become holes
+_ZERO_BLOCK = bytes(HOLE_BLOCK_BYTES)
 TMP_PREFIX = ".ckptfs-export."
 XATTR_NAMESPACES = ("user.",)
 
@@ -182,6 +195,7 @@ class _Copier:
         self.as_root = os.geteuid() == 0
         self.links: dict[tuple[int, int], str] = {}
         self.xattr_warned = False
+        self.ask_daemon = True      # until the control channel turns out unusable
 
     def tmp_name(self, final: str) -> str:
         return os.path.join(os.path.dirname(final), TMP_PREFIX + secrets.token_hex(6))
@@ -229,7 +243,7 @@ class _Copier:
             tmp, out = self._create_tmp(dst)
             try:
                 try:
-                    self._copy_bytes(fd, out, src, tmp)
+                    self._copy_bytes(fd, out, st, src, tmp)
                     self.copy_xattrs(fd, out, dst)
                     self.set_owner_mode_times(out, st)
                     os.fsync(out)
@@ -254,23 +268,65 @@ class _Copier:
             except FileExistsError:
                 continue
 
-    def _copy_bytes(self, src_fd: int, dst_fd: int, src: str, tmp: str) -> None:
+    def _copy_bytes(self, src_fd: int, dst_fd: int, st: os.stat_result, src: str,
+                    tmp: str) -> None:
+        """Copy the data of src (st: its fstat) into the new file dst_fd, holes as holes."""
+        done = 0
+        for a, b in self._data_ranges(st):
+            self.bar.update(a - done)            # a hole: nothing to read
+            done = self._copy_range(src_fd, dst_fd, a, b, src, tmp)
+            if done < b:
+                break                            # the file shrank meanwhile
+        self.bar.update(max(st.st_size - done, 0))
+        try:
+            os.ftruncate(dst_fd, st.st_size)     # a hole at the end, too
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, tmp) from None
+
+    def _data_ranges(self, st: os.stat_result) -> list[tuple[int, int]]:
+        if st.st_size == 0 or st.st_blocks == 0:
+            return []                           # ckptfs's st_blocks counts data only
+        ranges = self._ask_daemon(st) if self.ask_daemon else None
+        return [(0, st.st_size)] if ranges is None else ranges
+
+    def _ask_daemon(self, st: os.stat_result) -> Optional[list[tuple[int, int]]]:
+        """The file's data ranges from the daemon, or None (then read it all)."""
+        ranges: list[tuple[int, int]] = []
+        start: Optional[int] = 0
+        try:
+            while start is not None:
+                reply = control.request(self.plan.mountpoint, "data_ranges", timeout_s=60,
+                                        ino=st.st_ino, start=start)
+                if reply["size"] != st.st_size:
+                    return None                 # changing under us: read it all
+                ranges.extend((int(a), int(b)) for a, b in reply["ranges"])
+                start = reply["next"]
+        except (OperationFailed, OSError):
+            self.ask_daemon = False             # no channel (another user's mount): never mind
+            return None
+        except (CkptfsError, KeyError, TypeError, ValueError):
+            return None                         # this file only (an older daemon, a race)
+        return ranges
+
+    def _copy_range(self, src_fd: int, dst_fd: int, a: int, b: int, src: str, tmp: str) -> int:
+        """Copy [a, b); returns where it stopped (b, or earlier at end of file)."""
         view = memoryview(self.buf)
-        while True:
+        off = a
+        while off < b:
             try:
-                n = os.readv(src_fd, [self.buf])
+                n = os.preadv(src_fd, [view[:min(len(view), b - off)]], off)
             except OSError as e:
                 raise OSError(e.errno, e.strerror, src) from None
             if n == 0:
-                return
-            chunk = view[:n]
-            while chunk:
-                try:
-                    chunk = chunk[os.write(dst_fd, chunk):]
-                except OSError as e:
-                    raise OSError(e.errno, e.strerror, tmp) from None
+                break
+            try:
+                _write_data(dst_fd, view[:n], off)
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, tmp) from None
+            off += n
             self.result.bytes += n
             self.bar.update(n)
+        return off
 
     def hardlink(self, first: str, dst: str) -> None:
         tmp = self.tmp_name(dst)
@@ -328,6 +384,31 @@ class _Copier:
                 os.close(dfd)
         finally:
             os.close(sfd)
+
+
+def _write_data(fd: int, data: memoryview, off: int) -> None:
+    """pwrite data at off, leaving every all-zero file-aligned block a hole
+    (the file is new: what is not written reads as zeros)."""
+    run = None                                  # start of the pending non-zero run
+    pos, n = 0, len(data)
+    while pos < n:
+        end = min(n, pos + HOLE_BLOCK_BYTES - (off + pos) % HOLE_BLOCK_BYTES)
+        piece = data[pos:end].tobytes()
+        if piece == (_ZERO_BLOCK if end - pos == HOLE_BLOCK_BYTES else bytes(end - pos)):
+            if run is not None:
+                _pwrite_all(fd, data[run:pos], off + run)
+                run = None
+        elif run is None:
+            run = pos
+        pos = end
+    if run is not None:
+        _pwrite_all(fd, data[run:], off + run)
+
+
+def _pwrite_all(fd: int, data: memoryview, off: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, off)
+        data, off = data[n:], off + n
 
 
 def _unlink_quietly(path: str) -> None:

@@ -881,6 +881,28 @@ class FileData:
                     twins[chunk_no] = stored.chunk_no
         return twins
 
+    def data_ranges(self, ino: int, size: int, start: int, max_ranges: int
+                    ) -> tuple[list[tuple[int, int]], Optional[int]]:
+        """Where [start, size) of a file holds data: merged [a, b) ranges, holes
+        left out, at most max_ranges; and the offset to ask from next (None: no
+        more). A file with uncommitted changes is data from start to its end
+        (an overlay may fill holes: never call bytes a hole that may not be)."""
+        df = self.dirty.get(ino)
+        if df is not None and df.dirty:
+            return ([(start, size)] if start < size else []), None
+        ranges: list[tuple[int, int]] = []
+        for e in ix.iter_extents(self.index, ino, start, size):
+            a, b = max(e.file_off, start), min(e.end, size)
+            if a >= b:
+                continue
+            if ranges and ranges[-1][1] == a:
+                ranges[-1] = (ranges[-1][0], b)
+            elif len(ranges) == max_ranges:
+                return ranges, a
+            else:
+                ranges.append((a, b))
+        return ranges, None
+
     def truncate_committed(self, inode: ix.Inode, size: int) -> None:
         """Truncate a file that is not open for writing, in the open batch."""
         if size < inode.size:

@@ -8,13 +8,15 @@ import errno
 import importlib.util
 import os
 import platform
+import pwd
 import random
+import subprocess
 import time
 from typing import Callable
 
 import pytest
 
-from conftest import is_mounted
+from conftest import REPO, is_mounted
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -121,3 +123,31 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+# ------------------------------------------------------- as another user
+
+def unused_uid() -> int:
+    """A uid no account and no leftover /tmp/ckptfs-UID belongs to: this test's own user."""
+    taken = {p.pw_uid for p in pwd.getpwall()}
+    for uid in range(61000 + os.getpid() % 500, 62000):
+        if uid not in taken and not os.path.lexists(f"/tmp/ckptfs-{uid}"):
+            return uid
+    pytest.skip("no free uid")
+
+
+def as_user(uid: int, argv: list[str], *, python_access: bool = False, env=None,
+            timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run argv as uid:uid with no supplementary groups.
+
+    python_access: keep CAP_DAC_READ_SEARCH (read and search only: no write, no
+    ownership) so the user can run the test interpreter, which lives below
+    root's 0700 home here. It changes no check ckptfs makes: those compare
+    owners and modes, and connecting to or creating anything still needs write
+    permission.
+    """
+    pre = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    if python_access:
+        pre += ["--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
+    return subprocess.run(pre + argv, capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, env=env)

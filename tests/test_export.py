@@ -11,12 +11,13 @@ import errno
 import hashlib
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import run_ckptfs
-from posix_helpers import MiB, check_clean, pattern, read_file, write_file
+from conftest import REPO, run_ckptfs
+from posix_helpers import MiB, as_user, check_clean, pattern, read_file, unused_uid, write_file
 
 from ckptfs import export as ex
 from ckptfs.errors import UsageError
@@ -252,11 +253,11 @@ def test_interrupted_export_leaves_no_half_file(mounted, tmp_path, monkeypatch, 
 
     real = ex._Copier._copy_bytes
 
-    def failing(self, src_fd, dst_fd, src, tmp):
+    def failing(self, src_fd, dst_fd, st, src, tmp):
         if src.endswith("b.bin"):
             os.write(dst_fd, b"half of it")                 # some bytes are in the temp file
             raise OSError(errno.ENOSPC, "No space left on device", tmp)
-        return real(self, src_fd, dst_fd, src, tmp)
+        return real(self, src_fd, dst_fd, st, src, tmp)
 
     monkeypatch.setattr(ex._Copier, "_copy_bytes", failing)
     capsys.readouterr()
@@ -291,4 +292,107 @@ def test_export_of_cold_tiered_data(make_mount, tmp_path, fsck_clean):
     for rel, data in files.items():
         assert read_file(out / rel) == data, rel
     assert m.stat()["cold_fetches"] > before.get("cold_fetches", 0)
+    check_clean(fsck_clean, m)
+
+
+def _sparse_files(root: Path) -> dict[str, tuple[int, list[tuple[int, bytes]]]]:
+    """name -> (size, [(offset, data)]): a 200 MiB file with 1 KiB of data, data
+    across a 4 KiB boundary and at the very end, a file with no data at all, and
+    a dense one with a zero run in the middle (written as zeros: ckptfs keeps
+    all-zero chunks as holes too)."""
+    files = {
+        "sparse-200M": (200 * MiB, [(100 * MiB + 3000, pattern(1024, seed=3))]),
+        "edges": (64 * MiB + 5, [(4096 - 10, b"x" * 20), (64 * MiB, b"tail!")]),
+        "empty-but-big": (50 * MiB, []),
+        "dense": (3 * MiB, [(0, pattern(MiB, seed=4)), (MiB, bytes(MiB)),
+                            (2 * MiB, pattern(MiB, seed=5))]),
+    }
+    for name, (size, pieces) in files.items():
+        fd = os.open(root / name, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            for off, data in pieces:
+                os.pwrite(fd, data, off)
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+    return files
+
+
+def _check_sparse_copy(out: Path, files) -> None:
+    for name, (size, pieces) in files.items():
+        st = os.stat(out / name)
+        assert st.st_size == size, name
+        data_bytes = sum(len(d.strip(b"\0")) for _, d in pieces)
+        # Each piece takes at most its 4 KiB blocks (plus one at either end).
+        assert st.st_blocks * 512 <= sum(len(d) + 2 * 4096 for _, d in pieces if d.strip(b"\0")), \
+            (name, st.st_blocks)
+        if data_bytes == 0:
+            assert st.st_blocks == 0, name
+        with open(out / name, "rb") as f:
+            for off, d in pieces:
+                f.seek(off)
+                assert f.read(len(d)) == d, (name, off)
+    # and byte for byte (holes read as zeros)
+    with open(out / "sparse-200M", "rb") as f:
+        f.seek(100 * MiB)
+        assert f.read(8192) == bytes(3000) + pattern(1024, seed=3) + bytes(8192 - 4024)
+
+
+def _rchar() -> int:
+    """Bytes this process has read with read(2) and friends."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+# `ckptfs export PATH DEST`, then how many bytes the process read.
+EXPORT_AND_COUNT = """
+import sys
+from ckptfs.cli import main
+rc = main(["export", sys.argv[1], sys.argv[2], "--no-progress"])
+print(next(l for l in open("/proc/self/io") if l.startswith("rchar:")).split()[1])
+sys.exit(rc)
+"""
+
+
+def test_export_keeps_holes(mounted, tmp_path, fsck_clean):
+    """A 200 MiB file with 1 KiB of data exports as a 200 MiB file taking a
+    few KiB (it was 200 MiB of zeros): the daemon tells export where the data
+    is, so holes are never read."""
+    m = mounted
+    (m.path / "ck").mkdir()
+    files = _sparse_files(m.path / "ck")
+    m.remount()                       # committed; nothing in the page cache
+    before = _rchar()
+    out = tmp_path / "out"
+    assert run_export(str(m.path / "ck"), str(out), progress=False) == 0
+    read = _rchar() - before
+    _check_sparse_copy(out, files)
+    for name in files:
+        assert sha256(out / name) == sha256(m.path / "ck" / name), name
+    # Holes were never read: the export read only the data (3 MiB of 317).
+    print(f"export read {read} bytes")
+    assert read < 4 * MiB, read
+    check_clean(fsck_clean, m)
+
+
+def test_export_keeps_holes_without_the_control_channel(make_mount, tmp_path, fsck_clean):
+    """A user exporting from root's allow_other mount cannot reach root's control
+    socket: export reads every block and leaves the zero ones holes, as
+    cp --sparse=always does."""
+    m = make_mount(options=["pmem_size=512M", "allow_other"])
+    (m.path / "ck").mkdir()
+    files = _sparse_files(m.path / "ck")
+    m.remount()                       # nothing in the page cache: reads reach the daemon
+    uid = unused_uid()
+    out = tmp_path / "user-out"
+    out.mkdir()
+    os.chown(out, uid, uid)
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    env["PYTHONPATH"] = str(REPO)
+    res = as_user(uid, [sys.executable, "-c", EXPORT_AND_COUNT, str(m.path / "ck"), str(out)],
+                  python_access=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert int(res.stdout.split()[-1]) >= 260 * MiB            # it did read the holes
+    _check_sparse_copy(out / "ck", files)
+    assert not os.path.lexists(f"/tmp/ckptfs-{uid}")         # asked nobody's daemon
     check_clean(fsck_clean, m)
