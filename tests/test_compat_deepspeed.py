@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,7 +35,7 @@ torch = pytest.importorskip("torch")
 st_torch = pytest.importorskip("safetensors.torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-from compat_util import HELPERS, run, sha256_file  # noqa: E402
+from compat_util import HELPERS, run, run_ranks, sha256_file  # noqa: E402
 
 WORLD = 2
 ENV = dict(os.environ, DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
@@ -54,25 +53,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(stage: int, mode: str, ckpt_dir: Path, plain: Path, timeout: float = 300) -> None:
-    """Both ranks of one DeepSpeed job; each must exit 0."""
+def deepspeed_ranks(stage: int, mode: str, ckpt_dir: Path, plain: Path, log_dir: Path) -> None:
+    """Both ranks of one DeepSpeed job."""
     port = free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, str(HELPERS / "compat_deepspeed_worker.py"), str(rank), str(WORLD),
-         str(port), str(stage), mode, str(ckpt_dir), str(plain)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-        for rank in range(WORLD)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {rank} {mode} failed:\n{out[-4000:]}"
+    run_ranks([[sys.executable, HELPERS / "compat_deepspeed_worker.py", str(rank), str(WORLD),
+                str(port), str(stage), mode, ckpt_dir, plain] for rank in range(WORLD)],
+              log_dir, ENV, what=f"ZeRO-{stage} {mode}")
 
 
 def shas(root: Path) -> dict[str, str]:
@@ -84,7 +70,7 @@ def shas(root: Path) -> dict[str, str]:
 def test_zero_save_load_and_zero_to_fp32(mounted, fsck_clean, tmp_path, stage):
     ckpts, plain = mounted.path / "ckpts", tmp_path / "plain"
     plain.mkdir()
-    run_ranks(stage, "save", ckpts, plain)
+    deepspeed_ranks(stage, "save", ckpts, plain, tmp_path)
     shards = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
               "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     assert sorted(os.listdir(ckpts)) == ["global_step2", "global_step4", "latest",
@@ -96,7 +82,7 @@ def test_zero_save_load_and_zero_to_fp32(mounted, fsck_clean, tmp_path, stage):
 
     mounted.remount()
     assert shas(mounted.path) == before
-    run_ranks(stage, "load", ckpts, plain)
+    deepspeed_ranks(stage, "load", ckpts, plain, tmp_path)
     # The checkpoint's own conversion script, reading the shards from the mount.
     out = mounted.path / "fp32"
     run([sys.executable, ckpts / "zero_to_fp32.py", ckpts, out, "--safe_serialization"],

@@ -7,11 +7,14 @@ say "this tree on ckptfs is exactly that tree" after a remount.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -133,3 +136,34 @@ def write_bytes(path: os.PathLike | str, data: bytes, mode: int = 0o644) -> None
             view = view[os.write(fd, view):]
     finally:
         os.close(fd)
+
+
+def run_ranks(cmds: list[list[str]], log_dir: Path, env: dict, timeout: float = 300,
+              what: str = "") -> None:
+    """Run one process per command (the ranks of a job) at once; each must exit 0.
+
+    Every rank runs in a session of its own that is killed whole afterwards,
+    whatever happened: a library's helper processes (multiprocessing managers,
+    writer pools) must not outlive a rank that died, holding files on the
+    mount busy. Output goes to log files under log_dir, shown on failure.
+    """
+    tag = os.urandom(4).hex()
+    logs = [log_dir / f"rank{rank}-{tag}.log" for rank in range(len(cmds))]
+    procs: list[subprocess.Popen] = []
+    try:
+        for cmd, log_path in zip(cmds, logs):
+            with open(log_path, "w") as log:
+                procs.append(subprocess.Popen([os.fspath(c) for c in cmd], stdout=log,
+                                              stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True))
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0, \
+            f"rank {rank} failed {what}:\n{logs[rank].read_text()[-4000:]}"
