@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_MIN_SIZE",
     "DEFAULT_AVG_SIZE",
     "DEFAULT_MAX_SIZE",
+    "MAX_CHUNK_BYTES",
     "CHUNK_ID_SIZE",
     "chunk_id",
     "Chunker",
@@ -47,6 +48,15 @@ __all__ = [
 DEFAULT_MIN_SIZE = 16 * 1024
 DEFAULT_AVG_SIZE = 64 * 1024
 DEFAULT_MAX_SIZE = 256 * 1024
+
+# The largest chunk ckptfs ever stores in the log or in a pack: content-defined
+# chunks are at most DEFAULT_MAX_SIZE; with dedup=off a write record is one
+# chunk, and the kernel sends writes of at most 1 MiB (files.py cuts longer
+# ones). Pre-existing (SOURCE) chunks never go to packs and are not bounded.
+# Every decoder (packs, codec, cold reads, fsck) refuses a length above this
+# before it allocates or decompresses anything.
+MAX_CHUNK_BYTES = 1 << 20
+assert DEFAULT_MAX_SIZE <= MAX_CHUNK_BYTES
 
 CHUNK_ID_SIZE = 32
 

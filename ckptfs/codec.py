@@ -26,6 +26,13 @@ Decoding never returns bytes of the wrong length: damage raises
 :class:`ckptfs.errors.DamagedData` (compressed payloads carry zstd's checksum
 or a CRC-32C of the chunk; a raw payload is checked for length only, and the
 pack layer's BLAKE3 id check covers the rest).
+
+Decoding is bounded before it starts, whatever the payload or its record
+claim: a chunk is at most ``MAX_CHUNK_BYTES`` (the largest ckptfs stores), a zstd
+frame must announce the chunk's length (or none) and a
+window of at most ``ZSTD_MAX_WINDOW_BYTES`` before anything is decompressed,
+and the planes/float sections' own lengths must fit the payload. So a
+decode never allocates more than about two chunks, however the input lies.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from typing import TYPE_CHECKING
 import zstandard
 
 from ckptfs import native
+from ckptfs.chunker import MAX_CHUNK_BYTES
 from ckptfs.errors import DamagedData
 
 if TYPE_CHECKING:
@@ -93,6 +101,10 @@ _PLANES_ONLY = 2.0
 # zstd level for those exponent planes: level 1 stored less than 3 there, faster.
 _PLANES_LEVEL = 1
 
+# A frame this encoder writes for a chunk of n bytes has a window of at most
+# n rounded up to a power of two; zstd needs no more memory than that to decode.
+ZSTD_MAX_WINDOW_BYTES = 2 * MAX_CHUNK_BYTES
+
 _SECTION = struct.Struct("<BI")
 _CRC = struct.Struct("<I")
 
@@ -138,7 +150,7 @@ def _plane_compressor(level: int) -> zstandard.ZstdCompressor:
 def _decompressor() -> zstandard.ZstdDecompressor:
     d = getattr(_local, "dctx", None)
     if d is None:
-        d = _local.dctx = zstandard.ZstdDecompressor()
+        d = _local.dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW_BYTES)
     return d
 
 
@@ -262,15 +274,16 @@ def decode_chunk(codec: int, param: int, payload: Buffer, length: int) -> bytes:
     """The chunk's ``length`` bytes from an encoding: the exact inverse of
     :func:`encode_chunk` / :func:`encode_planes`.
 
-    Raises DamagedData for an unknown codec or param, or any payload that is
-    corrupt, short or long.  Never returns data of another length.
+    Raises DamagedData for an unknown codec or param, a length over
+    MAX_CHUNK_BYTES, or any payload that is corrupt, short or long, before
+    allocating the chunk.  Never returns data of another length.
     """
-    if length < 0:
-        raise DamagedData(f"negative chunk length {length}")
+    src = _bytes_view(payload)
+    _check_bounds(length)
     if codec == CODEC_RAW or codec == CODEC_ZSTD:
-        return _decode_simple(codec, param, _bytes_view(payload), length)
+        return _decode_simple(codec, param, src, length)
     if codec == CODEC_FLOAT and 2 <= param <= 16 and length > 0:
-        data = native.fc_decode(_bytes_view(payload), param, length)
+        data = native.fc_decode(src, param, length)
         if data is None:
             raise DamagedData(f"damaged CODEC_FLOAT payload for a {length}-byte chunk")
         return data
@@ -288,6 +301,7 @@ def decode_chunk_into(codec: int, param: int, payload: Buffer, out: Buffer) -> N
         raise ValueError("out must be writable")
     length = len(dst)
     src = _bytes_view(payload)
+    _check_bounds(length)
     if codec == CODEC_FLOAT:
         if not 2 <= param <= 16:
             raise DamagedData(f"CODEC_FLOAT with width {param}")
@@ -301,6 +315,22 @@ def decode_chunk_into(codec: int, param: int, payload: Buffer, out: Buffer) -> N
         raise DamagedData(f"unknown codec {codec}")
 
 
+def _check_bounds(length: int) -> None:
+    if not 0 <= length <= MAX_CHUNK_BYTES:
+        raise DamagedData(f"chunk length {length} is outside 0..{MAX_CHUNK_BYTES}")
+
+
+def _check_frame(src, length: int, what: str) -> None:
+    """A zstd frame's header must announce `length` bytes (or no size) and a
+    window we allow, before anything is decompressed."""
+    fp = zstandard.get_frame_parameters(src)
+    if fp.content_size not in (length, zstandard.CONTENTSIZE_UNKNOWN):
+        raise DamagedData(f"zstd {what} for {fp.content_size} bytes, expected {length}")
+    if fp.window_size > ZSTD_MAX_WINDOW_BYTES:
+        raise DamagedData(f"zstd {what} asks for a {fp.window_size}-byte window "
+                          f"(at most {ZSTD_MAX_WINDOW_BYTES})")
+
+
 def _decode_simple(codec: int, param: int, src: memoryview, length: int) -> bytes:
     if param != 0:
         raise DamagedData(f"codec {codec} with param {param}")
@@ -312,9 +342,7 @@ def _decode_simple(codec: int, param: int, src: memoryview, length: int) -> byte
         # Frames from this encoder carry their content size and a checksum;
         # the first ckptfs versions wrote zstd's defaults (no checksum), and
         # those packs must stay readable: the length check still applies.
-        fp = zstandard.get_frame_parameters(src)
-        if fp.content_size not in (length, zstandard.CONTENTSIZE_UNKNOWN):
-            raise DamagedData(f"zstd frame for {fp.content_size} bytes, chunk has {length}")
+        _check_frame(src, length, "frame")
         data = _decompressor().decompress(src, max_output_size=length, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise DamagedData(f"damaged zstd payload: {exc}") from None
@@ -360,6 +388,7 @@ def _decode_planes(width: int, src: memoryview, dst: memoryview) -> None:
             target[:] = blob
         elif method == PLANE_ZSTD:
             try:
+                _check_frame(blob, count, "plane")
                 if zstandard.get_frame_parameters(blob).content_size != count:
                     raise DamagedData("CODEC_PLANES zstd plane of the wrong size")
                 plane = dctx.decompress(blob, max_output_size=count, allow_extra_data=False)

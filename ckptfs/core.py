@@ -22,12 +22,12 @@ from typing import Optional
 import trio
 
 from . import index as ix
-from .errors import (BadFileHandle, CkptfsError, DamagedData, InvalidArgument, IsADirectory,
-                     NoSpace, ReadOnly)
+from .errors import (BadFileHandle, CkptfsError, DamagedData, FormatError, InvalidArgument,
+                     IsADirectory, NoSpace, ReadOnly)
 from .files import DirtyFile, FileData, SourceFiles, WritePlan
 from .index import Index, Inode
 from .namespace import Namespace
-from .pmemlog import PmemLog
+from .pmemlog import SUPERBLOCK_BYTES, PmemLog
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,11 @@ class Filesystem:
         Reads the index only (no log scan): uncommitted log bytes are free
         space by definition. Returns how many orphans were purged.
         """
-        self.log.init_free_space((off, length) for off, length, _ in ix.used_log_ranges(self.index))
+        damaged: list[str] = []
+        self.log.init_free_space(ix.used_log_space(self.index, SUPERBLOCK_BYTES,
+                                                   self.log.size_bytes, damaged))
+        for why in damaged:
+            log.error("damaged index record: %s (its reads give EIO; run ckptfs fsck)", why)
         orphans = self.ns.orphans()
         for ino in orphans:
             self._purge(ino)
@@ -534,8 +538,11 @@ class Filesystem:
     def stats(self) -> dict[str, object]:
         """The numbers `ckptfs stat` shows. Scans inodes and chunks (not hot-path)."""
         logical = files = 0
-        for _, raw in self.index.items("inodes", ix.u64(0), ix.u64((1 << 64) - 1)):
-            inode = Inode.decode(0, raw)
+        for k, raw in self.index.items("inodes", ix.u64(0), ix.u64((1 << 64) - 1)):
+            try:
+                inode = Inode.decode(ix.read_u64(k), raw)
+            except FormatError:
+                continue            # a damaged record: its reads say so, fsck reports it
             if stat.S_ISREG(inode.mode):
                 files += 1
                 logical += inode.size

@@ -47,7 +47,7 @@ from typing import Optional, Union
 import trio
 
 from . import index as ix
-from .chunker import Chunker, chunk_id
+from .chunker import MAX_CHUNK_BYTES, Chunker, chunk_id
 from .errors import CkptfsError, DamagedData, FileTooLarge
 from .index import CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, Chunk, Extent, Index
 from .pmemlog import PmemLog
@@ -341,8 +341,14 @@ class FileData:
 
     def _put_records(self, df: DirtyFile, plan: WritePlan, off: int, nbytes: int,
                      pos: int) -> None:
-        """Log space for bytes written out of stream order (cut at commit)."""
-        for log_off, length in self.log.allocate(nbytes):
+        """Log space for bytes written out of stream order (cut at commit).
+
+        With dedup off each piece is a chunk as it is: none is longer than
+        MAX_CHUNK_BYTES, the bound every reader checks."""
+        pieces = self.log.allocate(nbytes)
+        if not self.dedup:
+            pieces = _cut(pieces, MAX_CHUNK_BYTES)
+        for log_off, length in pieces:
             if self.dedup:
                 target: AnyChunk = self._new_staged(df, log_off, length, off)
                 plan.chunks.append(None)
@@ -786,6 +792,12 @@ class FileData:
         view = memoryview(out)
         for p in pieces:
             dst = view[p.dst_off:p.dst_off + p.length]
+            if p.chunk.kind in (CHUNK_LOG, CHUNK_PACK):
+                # A damaged index record is EIO, never a read past the chunk.
+                ix.check_chunk_record(p.chunk)
+                if p.chunk_off + p.length > p.chunk.length:
+                    raise DamagedData(f"an extent reaches byte {p.chunk_off + p.length} of "
+                                      f"{p.chunk.length}-byte chunk {p.chunk.chunk_no}")
             if p.chunk.kind == CHUNK_LOG:
                 self.log.read_into(dst, p.chunk.log_off, p.chunk.length, p.chunk.crcs,
                                    p.chunk_off)
@@ -950,7 +962,26 @@ class FileData:
             self.zombies[chunk_no] = chunk       # an open file still points at it
             return
         if chunk.kind == CHUNK_LOG:
+            why = ix.chunk_record_problem(chunk)
+            if why is not None:
+                # Its lengths cannot be trusted to give back only its own space:
+                # leave it used (the next mount recomputes free space).
+                log.error("chunk %d deleted with a damaged record (%s): its log space "
+                          "stays used until the next mount", chunk_no, why)
+                return
             self.release_after_durable(chunk.log_off, chunk.length)
         elif chunk.kind == CHUNK_SOURCE:
             self.index.after_durable(lambda: [self.sources.remove(path)
                                               for path in chunk.source_paths])
+
+
+def _cut(pieces: list[tuple[int, int]], most: int) -> list[tuple[int, int]]:
+    """(offset, length) pieces, the longer ones cut into pieces of at most `most`."""
+    out = []
+    for off, length in pieces:
+        while length > most:
+            out.append((off, most))
+            off += most
+            length -= most
+        out.append((off, length))
+    return out

@@ -38,6 +38,7 @@ from .index import (CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, ROOT_INO, Chunk, Direct
 from .namespace import NAME_MAX, STATE_DIR_NAME
 from .options import parse_options
 from .chunker import chunk_id
+from .files import MAX_FILE_BYTES
 from .pmemlog import SUPERBLOCK_BYTES, PmemLog
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class Fsck:
     subdirs: Counter = field(default_factory=Counter)      # dir ino -> child dirs
     orphans: set[int] = field(default_factory=set)
     unreferenced: set[int] = field(default_factory=set)    # chunks no extent names
+    bad_records: set[int] = field(default_factory=set)     # chunks whose record is damaged
+    bad_inodes: set[int] = field(default_factory=set)      # inodes whose record is damaged
     twins: int = 0                                         # chunks whose bytes another holds
 
     def problem(self, check: str, message: str, repair: Optional[Repair] = None) -> None:
@@ -78,8 +81,9 @@ class Fsck:
 
     def run(self) -> None:
         self.load()
-        for check in (self.check_reachable, self.check_root, self.check_dirents, self.check_link_counts,
-                      self.check_extents, self.check_refcounts, self.check_logmap,
+        for check in (self.check_reachable, self.check_root, self.check_dirents,
+                      self.check_link_counts, self.check_chunk_records, self.check_extents,
+                      self.check_refcounts, self.check_logmap,
                       self.check_chunk_ids, self.check_packs, self.check_side_tables,
                       self.check_counters, self.check_data):
             check()
@@ -90,7 +94,11 @@ class Fsck:
         kv = self.index
         for k, v in kv.items("inodes", ix.u64(0), MAX):
             ino = ix.read_u64(k)
-            self.inodes[ino] = Inode.decode(ino, v)
+            try:
+                self.inodes[ino] = Inode.decode(ino, v)
+            except FormatError as e:
+                self.bad_inodes.add(ino)        # reported once; nothing else is repaired for it
+                self.problem("inodes", f"{e} (the file gives EIO)")
         for k, v in kv.items("chunks", ix.u64(0), MAX):
             chunk_no = ix.read_u64(k)
             try:
@@ -98,7 +106,12 @@ class Fsck:
             except FormatError as e:
                 self.problem("chunks", str(e))
         for k, v in kv.items("extents", ix.u64(0), MAX):
-            e = ix.extent_decode(k, v)
+            try:
+                e = ix.extent_decode(k, v)
+            except FormatError as err:
+                self.problem("extents", f"inode {ix.read_u64(k[:8])}: {err} (reads of it give "
+                             "EIO)")
+                continue
             self.extents[ix.read_u64(k[:8])].append(e)
         self.orphans = {ix.read_u64(k) for k, _ in kv.items("orphans", ix.u64(0), MAX)}
 
@@ -136,9 +149,15 @@ class Fsck:
         dir_entries: dict[int, list[tuple[int, bytes, int]]] = defaultdict(list)
         for k, v in kv.items("dirents", ix.u64(0), MAX):
             parent, name = ix.read_u64(k[:8]), k[8:]
-            ino, cookie = ix.dirent_decode(v)
+            try:
+                ino, cookie = ix.dirent_decode(v)
+            except FormatError as e:
+                self.problem("dirents", f"entry {name!r} in {parent}: {e}")
+                continue
             pdir = self.inodes.get(parent)
             child = self.inodes.get(ino)
+            if ino in self.bad_inodes or parent in self.bad_inodes:
+                continue
             if pdir is None or not stat.S_ISDIR(pdir.mode) or child is None:
                 what = "missing parent" if pdir is None else (
                     "parent not a directory" if not stat.S_ISDIR(pdir.mode) else
@@ -241,9 +260,22 @@ class Fsck:
                 self.problem("orphans", f"inode {ino} is listed as orphan but still linked",
                              _delete("orphans", ix.ino_key(ino)))
 
+    def check_chunk_records(self) -> None:
+        """Every LOG and PACK record is one ckptfs could have written (lengths
+        within MAX_CHUNK_BYTES, one CRC per block, a payload no longer than its
+        chunk): the data check reads nothing by a damaged record's lengths."""
+        for chunk_no, chunk in self.chunks.items():
+            why = ix.chunk_record_problem(chunk)
+            if why is not None:
+                self.bad_records.add(chunk_no)
+                self.problem("chunks", f"chunk {chunk_no}: damaged record: {why} (reads of it "
+                             "give EIO)")
+
     def check_extents(self) -> None:
         for ino, extents in self.extents.items():
             inode = self.inodes.get(ino)
+            if ino in self.bad_inodes:
+                continue
             if inode is None or not stat.S_ISREG(inode.mode):
                 self.problem("extents", f"extents of {'missing' if inode is None else 'non-file'}"
                              f" inode {ino}", _drop_extents(ino, self))
@@ -262,7 +294,11 @@ class Fsck:
                 elif e.chunk_off + e.length > chunk.length:
                     self.problem("extents", f"inode {ino} at {e.file_off}: reaches past the end "
                                  f"of chunk {e.chunk_no}")
-            if end > inode.size:
+            if inode.size > MAX_FILE_BYTES:
+                self.problem("extents", f"inode {ino}: size {inode.size} is over the largest "
+                             f"file ({MAX_FILE_BYTES} bytes)",
+                             _set_inode(ino, size=end) if end <= MAX_FILE_BYTES else None)
+            elif end > inode.size:
                 self.problem("extents", f"inode {ino}: data reaches {end}, past its size "
                              f"{inode.size}", _set_inode(ino, size=end))
             if inode.data_bytes != total:
@@ -339,13 +375,22 @@ class Fsck:
         in the backing store; packs no record names are dead (gc's to delete)."""
         live: Counter = Counter()
         live_bytes: Counter = Counter()
+        in_pack: dict[int, list[Chunk]] = defaultdict(list)
         for chunk in self.chunks.values():
             if chunk.kind == CHUNK_PACK:
                 live[chunk.pack_no] += 1
                 live_bytes[chunk.pack_no] += chunk.stored_length
+                in_pack[chunk.pack_no].append(chunk)
         recorded = {}
         for k, _ in self.index.items("packs", ix.u64(0), MAX):
-            pack = ix.get_pack(self.index, ix.read_u64(k))
+            try:
+                pack = ix.get_pack(self.index, ix.read_u64(k))
+            except FormatError as e:
+                live_pack = live.get(ix.read_u64(k), 0)
+                self.problem("packs", str(e), _put_pack(ix.PackInfo(
+                    ix.read_u64(k), live_pack, live_bytes[ix.read_u64(k)], 0)))
+                recorded[ix.read_u64(k)] = None
+                continue
             recorded[pack.pack_no] = pack
             if (pack.live_chunks, pack.live_bytes) != (live[pack.pack_no],
                                                        live_bytes[pack.pack_no]):
@@ -367,16 +412,37 @@ class Fsck:
             if packs.pack_name(pack_no) not in blobs:
                 self.problem("packs", f"pack {pack_no} is missing from {self.backend.url} "
                              f"({live[pack_no]} chunks: reads of them give EIO)")
+            elif self.verify_data:
+                self._check_trailer(pack_no, in_pack[pack_no])
         named = {packs.pack_name(n) for n in recorded} | {packs.pack_name(n) for n in live}
         for blob in sorted(blobs - named):
             self.problem("packs", f"{blob} is named by nothing (dead pack)",
                          _delete_blob(self.backend, blob))
 
+    def _check_trailer(self, pack_no: int, chunks: list[Chunk]) -> None:
+        """A pack's trailer is intact (recover rebuilds from it) and lists each of
+        its chunks where, and as, the chunk table says."""
+        name = packs.pack_name(pack_no)
+        try:
+            entries = {e.offset: e for e in packs.read_pack_index(self.backend, name)}
+        except CkptfsError as e:
+            self.problem("packs", f"{e} (recover cannot use this pack)")
+            return
+        for chunk in chunks:
+            if chunk.chunk_no in self.bad_records:
+                continue
+            e = entries.get(chunk.pack_off)
+            if e is None or (e.chunk_id, e.stored_length, e.length, e.codec, e.param, e.crc) \
+                    != (chunk.chunk_id, chunk.stored_length, chunk.length, chunk.codec,
+                        chunk.codec_param, chunk.payload_crc):
+                self.problem("packs", f"chunk {chunk.chunk_no}: its record does not match "
+                             f"the trailer of {name} at offset {chunk.pack_off}")
+
     def check_side_tables(self) -> None:
         for table in ("xattrs", "symlinks"):
             for k, _ in self.index.items(table, ix.u64(0), MAX):
                 ino = ix.read_u64(k[:8])
-                if ino not in self.inodes:
+                if ino not in self.inodes and ino not in self.bad_inodes:
                     self.problem(table, f"{table} entry for missing inode {ino}",
                                  _delete(table, k))
         for ino, inode in self.inodes.items():
@@ -413,8 +479,10 @@ class Fsck:
         """Read every stored byte and verify its checksum (the slow part)."""
         if not self.verify_data:
             return
-        # A leaked chunk's bytes do not matter: repair deletes it.
-        chunks = [c for c in self.chunks.values() if c.chunk_no not in self.unreferenced]
+        # A leaked chunk's bytes do not matter: repair deletes it. A damaged
+        # record is reported already, and its lengths are not to be trusted.
+        chunks = [c for c in self.chunks.values()
+                  if c.chunk_no not in self.unreferenced and c.chunk_no not in self.bad_records]
         total = sum(c.length for c in chunks)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="verifying data",
                    disable=not sys.stderr.isatty(), file=sys.stderr)
@@ -437,7 +505,7 @@ class Fsck:
                         if st.st_size < chunk.length:
                             raise DamagedData(f"pre-existing file {path!r} shrank "
                                               f"to {st.st_size} bytes")
-                except (DamagedData, OSError) as e:
+                except (CkptfsError, OSError) as e:
                     self.problem("data", f"chunk {chunk.chunk_no}: {e} (reads of it give EIO)")
                 bar.update(chunk.length)
 

@@ -44,6 +44,9 @@ order; little-endian in values):
               number of extents that point into the chunk; a chunk whose
               refcount drops to 0 is deleted in the same transaction and
               its space is reused only after that transaction is durable.
+              LOG and PACK chunks are at most MAX_CHUNK_BYTES (chunker.py);
+              `chunk_record_problem` says why a record cannot be one ckptfs
+              wrote, and every reader asks before trusting its lengths.
               kind LOG:    log offset + chunk id (BLAKE3-256 of the bytes; all
                            zeros for data stored without dedup) + CRC-32C
                            per CRC_BLOCK_BYTES block
@@ -87,7 +90,8 @@ import lmdb
 import trio
 from sortedcontainers import SortedDict
 
-from .errors import FormatError, IndexFailure, NoSpace, ReadOnly
+from .chunker import MAX_CHUNK_BYTES
+from .errors import DamagedData, FormatError, IndexFailure, NoSpace, ReadOnly
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +108,7 @@ DB_NAMES = ("meta", "inodes", "dirents", "dirlist", "extents", "chunks", "chunki
             "logmap", "packs", "xattrs", "symlinks", "orphans")
 
 CHUNK_ID_BYTES = 32
+MAX_OFF_T = (1 << 63) - 1       # no inode is larger (files.MAX_FILE_BYTES is the real limit)
 NO_CHUNK_ID = bytes(CHUNK_ID_BYTES)
 
 ID_COUNTERS = (b"next_ino", b"next_chunk", b"next_cookie", b"next_pack", b"next_head")
@@ -162,7 +167,13 @@ class Inode:
 
     @classmethod
     def decode(cls, ino: int, b: bytes) -> "Inode":
-        return cls(ino, *INODE_STRUCT.unpack(b))
+        try:
+            inode = cls(ino, *INODE_STRUCT.unpack(b))
+        except struct.error:
+            raise FormatError(f"inode {ino}: damaged record ({len(b)} bytes)") from None
+        if inode.size > MAX_OFF_T:
+            raise FormatError(f"inode {ino}: damaged record (size {inode.size})")
+        return inode
 
 
 @dataclass(slots=True, frozen=True)
@@ -213,6 +224,13 @@ class Chunk:
 
     @classmethod
     def decode(cls, chunk_no: int, b: bytes) -> "Chunk":
+        try:
+            return cls._decode(chunk_no, b)
+        except struct.error:
+            raise FormatError(f"chunk {chunk_no}: damaged record ({len(b)} bytes)") from None
+
+    @classmethod
+    def _decode(cls, chunk_no: int, b: bytes) -> "Chunk":
         kind, refcount, length = _CHUNK_HEAD.unpack_from(b)
         rest = b[_CHUNK_HEAD.size:]
         if kind == CHUNK_LOG:
@@ -710,7 +728,10 @@ def dirent_value(ino: int, cookie: int) -> bytes:
 
 
 def dirent_decode(b: bytes) -> tuple[int, int]:
-    return _DIRENT.unpack(b)
+    try:
+        return _DIRENT.unpack(b)
+    except struct.error:
+        raise FormatError(f"directory entry: damaged record ({len(b)} bytes)") from None
 
 
 def dirlist_key(parent: int, cookie: int) -> bytes:
@@ -730,8 +751,11 @@ def extent_encode(e: Extent) -> bytes:
 
 
 def extent_decode(key: bytes, value: bytes) -> Extent:
-    file_off = _U64x2.unpack(key)[1]
-    chunk_no, chunk_off, length = _EXTENT.unpack(value)
+    try:
+        file_off = _U64x2.unpack(key)[1]
+        chunk_no, chunk_off, length = _EXTENT.unpack(value)
+    except struct.error:
+        raise FormatError(f"extent {key.hex()}: damaged record ({len(value)} bytes)") from None
     return Extent(file_off, length, chunk_no, chunk_off)
 
 
@@ -756,6 +780,42 @@ def put_inode(kv, inode: Inode) -> None:
 def get_chunk(kv, chunk_no: int) -> Optional[Chunk]:
     raw = kv.get("chunks", u64(chunk_no))
     return None if raw is None else Chunk.decode(chunk_no, raw)
+
+
+def chunk_record_problem(chunk: Chunk) -> Optional[str]:
+    """Why this chunk record cannot be one ckptfs wrote, or None.
+
+    Cold reads, the mover and fsck ask before they allocate or read anything
+    by a record's lengths: a damaged record is EIO or a finding, never a
+    2 GiB allocation. LOG and PACK chunks are at most MAX_CHUNK_BYTES; a
+    pack payload is never longer than its chunk (the codecs store raw what
+    does not shrink); a LOG record has one CRC per CRC_BLOCK_BYTES block."""
+    if chunk.kind == CHUNK_SOURCE:
+        return None
+    if chunk.kind not in (CHUNK_LOG, CHUNK_PACK):
+        return f"unknown kind {chunk.kind}"
+    if chunk.length > MAX_CHUNK_BYTES:
+        return f"claims {chunk.length} bytes, more than any chunk ({MAX_CHUNK_BYTES})"
+    if chunk.kind == CHUNK_LOG:
+        blocks = -(-chunk.length // CRC_BLOCK_BYTES)
+        if len(chunk.crcs) != 4 * blocks:
+            return f"{len(chunk.crcs) // 4} block CRCs for {blocks} blocks"
+        if len(chunk.chunk_id) not in (0, CHUNK_ID_BYTES):
+            return f"chunk id of {len(chunk.chunk_id)} bytes"
+        return None
+    if chunk.stored_length > chunk.length:
+        return f"payload of {chunk.stored_length} bytes for a {chunk.length}-byte chunk"
+    if len(chunk.chunk_id) != CHUNK_ID_BYTES:
+        return f"chunk id of {len(chunk.chunk_id)} bytes"
+    return None
+
+
+def check_chunk_record(chunk: Chunk) -> Chunk:
+    """The chunk, if its record is plausible (chunk_record_problem); else DamagedData."""
+    why = chunk_record_problem(chunk)
+    if why is not None:
+        raise DamagedData(f"chunk {chunk.chunk_no}: damaged record: {why}")
+    return chunk
 
 
 def get_store_uuid(kv) -> Optional[bytes]:
@@ -857,7 +917,12 @@ class PackInfo:
 
 def get_pack(kv, pack_no: int) -> Optional[PackInfo]:
     raw = kv.get("packs", u64(pack_no))
-    return None if raw is None else PackInfo(pack_no, *_PACK.unpack(raw))
+    if raw is None:
+        return None
+    try:
+        return PackInfo(pack_no, *_PACK.unpack(raw))
+    except struct.error:
+        raise FormatError(f"pack {pack_no}: damaged record ({len(raw)} bytes)") from None
 
 
 def put_pack(kv, pack: PackInfo) -> None:
@@ -886,10 +951,46 @@ def iter_extents(kv: "Index", ino: int, start: int = 0, end: int = 1 << 63) -> I
         yield e
 
 
-def used_log_ranges(kv) -> Iterator[tuple[int, int, int]]:
-    """(log offset, length, chunk no) of every LOG chunk, in log order."""
+def has_log_chunks(kv) -> bool:
+    """Whether any chunk lives in the log (the log map is not empty)."""
+    return next(kv.items("logmap", u64(0), u64((1 << 64) - 1)), None) is not None
+
+
+def used_log_space(kv, start: int, end: int, damaged: list[str]) -> list[tuple[int, int]]:
+    """The log space [start, end) that LOG chunks hold, as sorted disjoint
+    (offset, length) ranges: what the allocator must never hand out.
+
+    Damage never stops a mount here: a log map entry whose record cannot be
+    decoded, is missing or is not a LOG chunk holds nothing; a record longer
+    than MAX_CHUNK_BYTES holds that much; ranges are clipped to the log and
+    overlapping ones merged (which of two overlapping records is damaged is
+    not known: both keep their space). Each oddity is described in `damaged`
+    (fsck reports the same records; their reads give EIO).
+    """
+    ranges: list[tuple[int, int]] = []
     for k, v in kv.items("logmap", u64(0), u64((1 << 64) - 1)):
-        chunk = get_chunk(kv, read_u64(v))
-        if chunk is None:
-            raise FormatError(f"logmap names missing chunk {read_u64(v)}")
-        yield read_u64(k), chunk.length, chunk.chunk_no
+        off = read_u64(k)
+        try:
+            chunk = get_chunk(kv, read_u64(v)) if len(v) == 8 else None
+        except FormatError as e:
+            damaged.append(f"log map entry at {off}: {e}")
+            continue
+        if chunk is None or chunk.kind != CHUNK_LOG or chunk.log_off != off:
+            damaged.append(f"log map entry at {off} names no LOG chunk there")
+            continue
+        why = chunk_record_problem(chunk)
+        if why is not None:
+            damaged.append(f"chunk {chunk.chunk_no}: damaged record: {why}")
+        a, b = max(off, start), min(off + min(chunk.length, MAX_CHUNK_BYTES), end)
+        if a >= b:
+            if chunk.length:
+                damaged.append(f"chunk {chunk.chunk_no} at log offset {off} is outside the log")
+            continue
+        if ranges and a <= ranges[-1][0] + ranges[-1][1]:
+            if a < ranges[-1][0] + ranges[-1][1]:
+                damaged.append(f"chunk {chunk.chunk_no} at log offset {off} overlaps another")
+            prev_off, prev_len = ranges[-1]
+            ranges[-1] = (prev_off, max(prev_off + prev_len, b) - prev_off)
+        else:
+            ranges.append((a, b - a))
+    return ranges

@@ -29,11 +29,15 @@ All integers are little-endian. Layout (`size` = the pack's length):
 
 So size == T + 64 * entry_count + 32, the first payload starts at 16, each
 next one where the previous ends, and the last ends at T (T == 16 for an
-empty pack). `read_pack_index` checks all of it (BlobDamaged on any
-mismatch, FormatError for a footer of another version); `read_payload` checks a
-payload's CRC-32C. Chunk ids are unique within a pack. The pack does not
-decode payloads nor check ids or logical lengths: that is the codec layer's
-(and the reader's BLAKE3 check).
+empty pack). A pack holds at most MAX_PACK_ENTRIES chunks; a logical length
+is at most MAX_CHUNK_BYTES (chunker.py) and a stored length at most the
+logical one (the codecs store raw what does not shrink). `read_pack_index`
+checks all of it before it reads the trailer or trusts an entry (BlobDamaged
+on any mismatch, FormatError for a footer of another version), so a lying
+pack never makes a reader allocate more than those bounds; `read_payload`
+checks a payload's CRC-32C. Chunk ids are unique within a pack. The pack
+does not decode payloads nor check ids: that is the codec layer's (and the
+reader's BLAKE3 check).
 
 Streaming: `PackWriter` writes each payload through to the backend's
 BlobWriter as it is added and keeps only the 64-byte entries; readers read
@@ -50,6 +54,7 @@ from typing import Iterable, Optional, Union
 
 from . import native
 from .backing.base import Backend, BlobWriter
+from .chunker import MAX_CHUNK_BYTES
 from .errors import BlobDamaged, FormatError, InvalidArgument
 
 MAGIC = b"CKPTPAK1"
@@ -58,6 +63,8 @@ VERSION = 1
 CHUNK_ID_BYTES = 32
 PACK_PREFIX = "packs/"
 PACK_SUFFIX = ".pack"
+# Chunks per pack: the trailer a reader loads is at most 4 MiB.
+MAX_PACK_ENTRIES = 1 << 16
 
 _HEADER = struct.Struct("<8sII")            # magic, version, flags
 _ENTRY = struct.Struct("<32sQQQBBHI")       # id, offset, stored, length, codec, param, 0, crc
@@ -186,8 +193,10 @@ class PackWriter:
             raise ValueError(f"pack {self.name}: chunk {chunk_id.hex()} added twice")
         if not (0 <= codec <= 0xFF and 0 <= param <= 0xFF):
             raise ValueError(f"codec {codec} / param {param} do not fit in a byte")
-        if length < 0:
-            raise ValueError(f"negative logical length {length}")
+        if not 0 <= length <= MAX_CHUNK_BYTES:
+            raise ValueError(f"logical length {length} outside 0..{MAX_CHUNK_BYTES}")
+        if len(self._entries) >= MAX_PACK_ENTRIES:
+            raise ValueError(f"pack {self.name}: already holds {MAX_PACK_ENTRIES} chunks")
         start = self._offset
         crc = 0
         try:
@@ -199,6 +208,10 @@ class PackWriter:
             self.abort()                         # a half-written payload: the pack is lost
             raise
         entry = PackEntry(chunk_id, start, self._offset - start, length, codec, param, crc)
+        if entry.stored_length > length:
+            self.abort()                         # readers would refuse the pack
+            raise ValueError(f"pack {self.name}: payload of {entry.stored_length} bytes for "
+                             f"a {length}-byte chunk")
         self._payload_bytes += entry.stored_length
         self._entries.append(entry)
         self._ids.add(chunk_id)
@@ -263,6 +276,9 @@ def read_pack_index(backend: Backend, name: str, size: Optional[int] = None) -> 
             raise other_version
         raise _damaged(backend, name, f"trailer at {t_off} with {count} entries does not "
                                       f"fit a pack of {size} bytes")
+    if count > MAX_PACK_ENTRIES:
+        raise _damaged(backend, name, f"footer claims {count} entries, a pack holds at most "
+                                      f"{MAX_PACK_ENTRIES}")
     trailer = backend.read(name, t_off, count * ENTRY_BYTES) if count else b""
     got = native.crc32c(footer[:_FOOTER_CRC_COVERS], native.crc32c(trailer))
     if got != crc:
@@ -284,6 +300,10 @@ def read_pack_index(backend: Backend, name: str, size: Optional[int] = None) -> 
             raise _damaged(backend, name, f"entry {i} at offset {off}, expected {expect}")
         if cid in seen:
             raise _damaged(backend, name, f"chunk {cid.hex()} listed twice")
+        if length > MAX_CHUNK_BYTES or stored > length:
+            raise _damaged(backend, name, f"entry {i} claims {stored} stored bytes for a "
+                                          f"{length}-byte chunk (at most {MAX_CHUNK_BYTES}, "
+                                          "stored at most the chunk)")
         seen.add(cid)
         entries.append(PackEntry(cid, off, stored, length, codec, param, pcrc))
         expect = off + stored

@@ -50,7 +50,7 @@ from . import index as ix
 from . import native, packs
 from .backing.base import Backend
 from .chunker import chunk_id
-from .errors import CkptfsError, DamagedData, NoSpace
+from .errors import CkptfsError, DamagedData, FormatError, NoSpace
 from .index import CHUNK_LOG, CHUNK_PACK, Chunk, Inode
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,13 @@ class ColdStore:
 
     def read_into(self, out: memoryview, chunk: Chunk, chunk_off: int) -> None:
         """Fill out with chunk bytes from chunk_off. May block."""
+        if chunk_off + len(out) > chunk.length:
+            raise DamagedData(f"cold chunk {chunk.chunk_no}: an extent reaches byte "
+                              f"{chunk_off + len(out)} of a {chunk.length}-byte chunk")
         data = self.get(chunk)
+        if len(data) != chunk.length:       # cached under its id by a record that differs
+            raise DamagedData(f"cold chunk {chunk.chunk_no}: its record says {chunk.length} "
+                              f"bytes, its id names {len(data)}")
         out[:] = memoryview(data)[chunk_off:chunk_off + len(out)]
 
     def cached(self, chunk: Chunk) -> bool:
@@ -168,7 +174,14 @@ class ColdStore:
                         ev.set()
 
     def _payloads(self, chunks: list[Chunk]) -> list[bytes]:
-        """Stored payloads, CRC-checked; a run of neighbours in one pack is one read."""
+        """Stored payloads, CRC-checked; a run of neighbours in one pack is one read.
+
+        Records are checked first (kind, lengths within MAX_CHUNK_BYTES): a
+        damaged one is DamagedData before anything is read or allocated."""
+        for c in chunks:
+            if c.kind != CHUNK_PACK:
+                raise DamagedData(f"chunk {c.chunk_no} is not a cold chunk (kind {c.kind})")
+            ix.check_chunk_record(c)
         out: list[bytes] = []
         i = 0
         while i < len(chunks):
@@ -303,6 +316,7 @@ class Tierer:
         self._nearly_full = False
         self._writers_waiting = 0
         self._mover_thread = BackgroundThread()
+        self._damage_seen: set[str] = set()
 
     # ------------------------------------------------------------- the task
 
@@ -341,6 +355,9 @@ class Tierer:
                 await self.tier_once()
                 self.collect_garbage()
             except (CkptfsError, OSError) as e:
+                self._failed(e)
+            except Exception as e:  # noqa: BLE001 - a bug must not take the mount down
+                log.exception("tiering pass failed unexpectedly")
                 self._failed(e)
 
     def start_now(self, everything: bool) -> dict:
@@ -403,9 +420,13 @@ class Tierer:
         by_parent: dict[int, list[Inode]] = {}
         for k, v in self.index.items("dirents", ix.u64(0), ix.u64((1 << 64) - 1)):
             parent, name = ix.read_u64(k[:8]), k[8:]
-            ino = ix.dirent_decode(v)[0]
+            try:
+                ino = ix.dirent_decode(v)[0]
+                inode = ix.get_inode(self.index, ino)
+            except FormatError as e:
+                self._damaged_record(e)
+                continue
             names[ino] = (parent, name)
-            inode = ix.get_inode(self.index, ino)
             if inode is not None and stat.S_ISREG(inode.mode):
                 if ino not in paths:
                     by_parent.setdefault(parent, []).append(inode)
@@ -479,12 +500,21 @@ class Tierer:
             for inode in v.files:
                 if inode.ino in open_inos:
                     continue
-                for e in ix.iter_extents(self.index, inode.ino):
-                    if e.chunk_no in keep or e.chunk_no in chosen:
-                        continue
-                    chunk = ix.get_chunk(self.index, e.chunk_no)
-                    if chunk is not None and chunk.kind == CHUNK_LOG:
-                        chosen[e.chunk_no] = chunk
+                try:
+                    for e in ix.iter_extents(self.index, inode.ino):
+                        if e.chunk_no in keep or e.chunk_no in chosen:
+                            continue
+                        chunk = ix.get_chunk(self.index, e.chunk_no)
+                        if chunk is not None and chunk.kind == CHUNK_LOG:
+                            chosen[e.chunk_no] = ix.check_chunk_record(chunk)
+                except (FormatError, DamagedData) as e:
+                    self._damaged_record(e)     # the rest of this file stays hot
+
+    def _damaged_record(self, e: CkptfsError) -> None:
+        """Damaged index records stay where they are (fsck reports them); once per record."""
+        if str(e) not in self._damage_seen:
+            self._damage_seen.add(str(e))
+            log.error("tiering skips a damaged index record: %s (run ckptfs fsck)", e)
 
     # ------------------------------------------------------------- a round
 
@@ -545,7 +575,7 @@ class Tierer:
         for chunk in chunks:
             batch.append(chunk)
             size += chunk.length
-            if size >= self.policy.pack_bytes:
+            if size >= self.policy.pack_bytes or len(batch) >= packs.MAX_PACK_ENTRIES:
                 yield batch
                 batch, size = [], 0
         if batch:

@@ -319,3 +319,32 @@ def test_zero_runs_are_holes_that_read_back_as_zeros(mounted, fsck_clean):
     mounted.remount()
     assert read_file(mounted.path / "moments") == data
     check_clean(fsck_clean, mounted)
+
+
+def test_dedup_off_write_records_stay_within_the_chunk_limit(tmp_path):
+    """dedup=off stores each write as one chunk: a write longer than
+    MAX_CHUNK_BYTES (the kernel sends at most 1 MiB, a direct caller may send
+    more) becomes several, so no reader ever meets a longer one."""
+    from ckptfs.chunker import MAX_CHUNK_BYTES
+    from ckptfs.files import FileData, SourceFiles
+    from ckptfs.index import Index
+    from ckptfs.pmemlog import PmemLog
+
+    fs_uuid = b"u" * 16
+    index = Index(str(tmp_path / "index"))
+    index.format(fs_uuid, 0, 0, 0)
+    plog = PmemLog.open(str(tmp_path / "log"), 16 * MiB, fs_uuid)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        plog.init_free_space([])
+        files = FileData(index, plog, SourceFiles(fd), dedup=False)
+        df = files.dirty_file(2, 0)
+        size = 5 * MiB + 3
+        plan = files.prepare_write(df, 0, size)
+        lengths = [c.length for c in plan.chunks]
+        assert sum(lengths) == size
+        assert max(lengths) == MAX_CHUNK_BYTES and len(lengths) == 6, lengths
+    finally:
+        os.close(fd)
+        plog.close()
+        index.close()

@@ -12,6 +12,7 @@ import blake3
 import pytest
 
 from ckptfs import native
+from ckptfs.chunker import MAX_CHUNK_BYTES
 from ckptfs.backing import LocalBackend
 from ckptfs.backing.base import validate_name
 from ckptfs.backing.faulty import FaultyBackend
@@ -234,34 +235,29 @@ def test_missing_pack(backend):
 
 
 def test_large_payloads_are_streamed(backend):
-    """64 MiB of payload through the writer without holding it: peak Python
-    memory stays a few MiB (payload pieces are produced one at a time)."""
-    piece = MIB
-    big_id = cid(b"big")
-    crcs = []
+    """64 MiB of payload through the writer without holding it: 64 chunks of
+    the largest size, each streamed in 64 KiB pieces; peak Python memory
+    stays a few MiB (payload pieces are produced one at a time)."""
+    piece = 64 * KIB
+    per_chunk = MAX_CHUNK_BYTES // piece
 
-    def pieces(n: int, seed: int):
+    def pieces(seed: int):
         rng = random.Random(seed)
-        for _ in range(n):
-            p = rng.randbytes(piece)
-            crcs.append(p[:16])
-            yield p
+        for _ in range(per_chunk):
+            yield rng.randbytes(piece)
 
     name = pack_name(3)
     tracemalloc.start()
     try:
         with PackWriter.create(backend, name) as pw:
-            e_big = pw.add(big_id, 2, 19, pieces(32, seed=1), 40 * MIB)  # one 32 MiB payload
-            small = [pw.add(cid(i.to_bytes(4, "little")), 0, 0, next(pieces(1, seed=100 + i)),
-                            piece) for i in range(32)]              # and 32 of 1 MiB
+            entries = [pw.add(cid(i.to_bytes(4, "little")), 0, 0, pieces(i), MAX_CHUNK_BYTES)
+                       for i in range(64)]
             assert pw.payload_bytes == 64 * MIB
-            entries = pw.commit()
+            assert pw.commit() == entries
         _cur, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert peak < 8 * MIB, f"writer held {peak / MIB:.1f} MiB"
-    assert entries == [e_big] + small
-    assert e_big.stored_length == 32 * MIB and e_big.length == 40 * MIB
     tracemalloc.start()
     try:
         assert read_pack_index(backend, name) == entries
@@ -269,10 +265,8 @@ def test_large_payloads_are_streamed(backend):
     finally:
         tracemalloc.stop()
     assert peak < 1 * MIB, "the index read more than the trailer"
-    rng = random.Random(1)
-    want = b"".join(rng.randbytes(piece) for _ in range(32))
-    assert read_payload(backend, name, e_big) == want
-    assert read_payload(backend, name, small[31]) == random.Random(131).randbytes(piece)
+    for i in (0, 63):
+        assert read_payload(backend, name, entries[i]) == b"".join(pieces(i))
 
 
 def test_writer_misuse(backend):
@@ -286,14 +280,24 @@ def test_writer_misuse(backend):
             pw.add(cid(b"y"), 256, 0, b"y", 1)
         with pytest.raises(ValueError, match="byte"):
             pw.add(cid(b"y"), 0, -1, b"y", 1)
-        with pytest.raises(ValueError, match="negative"):
+        with pytest.raises(ValueError, match="outside"):
             pw.add(cid(b"y"), 0, 0, b"y", -1)
+        with pytest.raises(ValueError, match="outside"):
+            pw.add(cid(b"y"), 0, 0, b"y", MAX_CHUNK_BYTES + 1)
         pw.commit()
         with pytest.raises(InvalidArgument):
             pw.add(cid(b"z"), 0, 0, b"z", 1)
         with pytest.raises(InvalidArgument):
             pw.commit()
     assert len(read_pack_index(backend, pack_name(4))) == 1
+
+
+def test_writer_refuses_a_payload_longer_than_its_chunk(backend):
+    """Readers refuse such entries, so the writer never makes one: it aborts."""
+    with PackWriter.create(backend, pack_name(5)) as pw:
+        with pytest.raises(ValueError, match="payload of 2 bytes"):
+            pw.add(cid(b"y"), 1, 0, b"yy", 1)
+    assert backend.list("packs/") == []
 
 
 def test_abort_and_failures_leave_no_pack(backend, tmp_path):
