@@ -40,7 +40,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Optional
 
 import outcome
 import trio
@@ -50,13 +50,17 @@ from . import index as ix
 from . import native, packs
 from .backing.base import Backend
 from .chunker import chunk_id
-from .errors import CkptfsError, DamagedData, FormatError, NoSpace
+from .errors import BackingFull, CkptfsError, DamagedData, FormatError, NoSpace
 from .index import CHUNK_LOG, CHUNK_PACK, Chunk, Inode
 
 log = logging.getLogger(__name__)
 
 MANIFEST_DIR = "manifests"
 PREFETCH_BATCH = 8               # cold chunks per prefetch call
+# Room a pack leaves free in the backing store: file system blocks and
+# directories, manifests, other writers. A store with less free space than a
+# pack takes smaller packs; one with less than this margin, none (BackingFull).
+STORE_MARGIN_BYTES = 2 << 20
 
 
 @dataclass
@@ -549,11 +553,15 @@ class Tierer:
         if progress is not None:
             progress.total_bytes += self.backlog_bytes
         moved = 0
-        for batch in self._batches(chunks):
-            moved += await self._move_batch(batch)
-            self.backlog_bytes -= sum(c.length for c in batch)
+        done = 0
+        while done < len(chunks):
+            batch = self._next_batch(chunks, done)
+            taken, n = await self._move_batch(batch)
+            moved += n
+            done += taken
+            self.backlog_bytes -= sum(c.length for c in batch[:taken])
             if progress is not None:
-                progress.done_bytes += sum(c.length for c in batch)
+                progress.done_bytes += sum(c.length for c in batch[:taken])
             self._moved.set()
             self._moved = trio.Event()
             if until_free is not None:
@@ -569,19 +577,20 @@ class Tierer:
         self.retry_at = 0.0
         return moved
 
-    def _batches(self, chunks: list[Chunk]) -> Iterator[list[Chunk]]:
-        batch: list[Chunk] = []
+    def _next_batch(self, chunks: list[Chunk], start: int) -> list[Chunk]:
+        """The chunks for the next pack: pack_bytes of them (the writer may
+        take fewer when the store has less room)."""
         size = 0
-        for chunk in chunks:
-            batch.append(chunk)
-            size += chunk.length
-            if size >= self.policy.pack_bytes or len(batch) >= packs.MAX_PACK_ENTRIES:
-                yield batch
-                batch, size = [], 0
-        if batch:
-            yield batch
+        end = start
+        while end < len(chunks) and size < self.policy.pack_bytes \
+                and end - start < packs.MAX_PACK_ENTRIES:
+            size += chunks[end].length
+            end += 1
+        return chunks[start:end]
 
-    async def _move_batch(self, batch: list[Chunk]) -> int:
+    async def _move_batch(self, batch: list[Chunk]) -> tuple[int, int]:
+        """Pack a prefix of batch (all of it if the store has room); return how
+        many chunks it took and the logical bytes moved."""
         pack_no = self.index.allocate_id(b"next_pack")
         epoch = self.files.begin_read()      # the log bytes we read stay put meanwhile
         try:
@@ -590,11 +599,22 @@ class Tierer:
             self.files.end_read(epoch)
         entries, size = written
         self.packs_written += 1
-        return self._flip(pack_no, size, batch, entries)
+        return len(entries), self._flip(pack_no, size, batch, entries)
+
+    def _room_blocking(self) -> Optional[int]:
+        """Bytes the next pack may take: the store's free space less a margin
+        (None: the store cannot say)."""
+        free = self.backend.free_bytes()
+        if free is None:
+            return None
+        return free - STORE_MARGIN_BYTES
 
     def _write_pack_blocking(self, pack_no: int, batch: list[Chunk]
                              ) -> tuple[list[Optional[packs.PackEntry]], int]:
-        """Read, compress and pack the chunks; commit the pack. May block."""
+        """Read, compress and pack a prefix of the chunks (as many as the
+        store has room for, at least one: BackingFull otherwise); commit the
+        pack. Returns an entry (None: not moved) for each chunk taken. May block."""
+        room = self._room_blocking()
         writer = packs.PackWriter.create(self.backend, packs.pack_name(pack_no))
         out: list[Optional[packs.PackEntry]] = []
         by_id: dict[bytes, packs.PackEntry] = {}
@@ -610,6 +630,12 @@ class Tierer:
                 cid = chunk.chunk_id or chunk_id(buf)
                 if cid not in by_id:        # twins stored without dedup share one copy
                     enc = codec.encode_chunk(buf)
+                    if room is not None and _pack_size(writer, len(enc.payload)) > room:
+                        if not writer.entries:
+                            raise BackingFull(f"{self.backend.url}: no space for another pack "
+                                              f"({room + STORE_MARGIN_BYTES} bytes free, "
+                                              f"{STORE_MARGIN_BYTES} kept free)")
+                        break               # the pack ends here; the rest goes in the next
                     by_id[cid] = writer.add(cid, enc.codec, enc.param, enc.payload,
                                             chunk.length)
                 out.append(by_id[cid])
@@ -773,6 +799,11 @@ class Tierer:
                             self._writers_waiting -= 1
                     except (CkptfsError, OSError) as e:
                         self._failed(e)
+                        # A pass that failed part way (the store filled up) may
+                        # still have moved enough: its flips free room once durable.
+                        await self.index.wait_durable(self.index.current_seq())
+                        if self.log.free_bytes >= nbytes + (1 << 20):
+                            return
                         raise NoSpace(f"log full and tiering fails: {e}") from e
                     # Moved chunks' space comes back once their flip is durable.
                     await self.index.wait_durable(self.index.current_seq())
@@ -816,6 +847,12 @@ class Tierer:
             "cold_fetches": self.cold.fetches,
             "backing": self.backend.url,
         }
+
+
+def _pack_size(writer: packs.PackWriter, payload_bytes: int) -> int:
+    """The pack's size once committed with one more payload of this size."""
+    return (writer.bytes_written + payload_bytes
+            + (len(writer) + 1) * packs.ENTRY_BYTES + packs.FOOTER_BYTES)
 
 
 def manifest_name(fs_uuid: bytes, inode: Inode) -> str:

@@ -212,18 +212,51 @@ def test_recover_rebuilds_every_tiered_file_from_the_store_alone(make_mount, fsc
 
 
 @pytest.fixture
-def small_store(tmp_path):
-    """A 4 MiB tmpfs as the backing store (root only), unmounted afterwards."""
-    store = tmp_path / "smallstore"
-    store.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(store)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
-        yield store
-    finally:
+def tmpfs_store(tmp_path):
+    """Factory: tmpfs_store(size) -> a tmpfs of that size as the backing store
+    (root only), unmounted afterwards."""
+    made: list[Path] = []
+
+    def make(size: str) -> Path:
+        store = tmp_path / f"smallstore{len(made)}"
+        store.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(store)],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
         subprocess.run(["umount", "-l", str(store)], capture_output=True)
+
+
+@pytest.fixture
+def small_store(tmpfs_store):
+    """A 4 MiB tmpfs as the backing store."""
+    return tmpfs_store("4m")
+
+
+def test_store_smaller_than_a_pack_still_takes_data(make_mount, tmpfs_store, fsck_clean):
+    """A store with less room than one 64 MiB pack takes smaller packs: the
+    writes that the log alone cannot hold all succeed, and the store fills up
+    to its margin, not just to nothing (before: every pack failed, ENOSPC)."""
+    store = tmpfs_store("40m")
+    m = make_mount(options=["pmem_size=64M", "hot_versions=0", f"backing={store}/s"])
+    files: dict[str, bytes] = {}
+    for i in range(20):                                # 80 MiB: more than the log
+        data = pattern(4 * MiB, 300 + i)               # random: nothing compresses
+        write_file(m.path / f"f{i}.bin", data)
+        files[f"f{i}.bin"] = data
+    st = m.stat()
+    assert st["cold_logical_bytes"] >= 16 * MiB, st
+    assert not st["tier_last_error"] or "space" in st["tier_last_error"].lower(), st
+    packs = list((store / "s" / "packs").rglob("*.pack"))
+    assert sum(p.stat().st_size for p in packs) <= 38 * MiB     # the margin stays free
+    m.remount()
+    verify(m.path, files)
+    check_clean(fsck_clean, m)
 
 
 def test_full_store_and_full_log_give_enospc_not_a_hang(make_mount, small_store, fsck_clean):
