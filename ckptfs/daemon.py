@@ -12,6 +12,11 @@ Order at start (all before the mount hides SOURCE): state dir, lock, index
 (format and adopt the existing tree on first use), log, recovery; then
 pyfuse3.init, then the trio loop. At the end: every open file committed,
 orphans purged, the index marked clean and synced, then unmount.
+
+A mount that fails before it is live removes exactly what its attempt
+created (`Attempt`): a failed first mount leaves SOURCE as it found it. A
+first mount cut off by a kill leaves only `index.creating` or
+`pmem.log.creating`, which the next mount removes and makes again.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ import fcntl
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import uuid as uuidlib
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import pyfuse3
@@ -42,8 +48,9 @@ from .files import SourceFiles
 from .fuse_ops import CkptfsOperations
 from .index import Index
 from .options import MountOptions, parse_options
+from .backing.base import MARKER_NAME
 from .backing.local import LocalBackend
-from .pmemlog import PmemLog
+from .pmemlog import CREATING_SUFFIX, PmemLog
 
 log = logging.getLogger("ckptfs.daemon")
 
@@ -73,45 +80,173 @@ class State:
         os.close(self.lock_fd)
 
 
-def open_state(opts: MountOptions) -> State:
-    """Lock SOURCE and open (or create) its index and log. May block."""
+@dataclass
+class Attempt:
+    """One mount attempt: what it created, and notes for the mount command.
+
+    If the mount never goes live, `finish` removes exactly what was created,
+    in reverse order. Files and trees only while this attempt holds SOURCE's
+    lock (otherwise another daemon may own them); directories it made only
+    if they are empty again.
+    """
+
+    created: list[tuple[str, bool]] = field(default_factory=list)   # (path, whole tree)
+    notes: list[str] = field(default_factory=list)
+    live: bool = False
+    lock_fd: Optional[int] = None     # a dup: the lock outlives State.close until finish
+
+    def made(self, path: str, tree: bool = False) -> None:
+        self.created.append((path, tree))
+
+    def make_dir(self, path: str) -> None:
+        if not os.path.isdir(path):
+            os.mkdir(path, 0o700)
+            self.made(path)
+
+    def hold_lock(self, lock_fd: int) -> None:
+        self.lock_fd = os.dup(lock_fd)
+
+    def finish(self) -> None:
+        try:
+            if not self.live:
+                for path, tree in reversed(self.created):
+                    self._remove(path, tree)
+        finally:
+            if self.lock_fd is not None:
+                os.close(self.lock_fd)
+                self.lock_fd = None
+
+    def _remove(self, path: str, tree: bool) -> None:
+        try:
+            if tree and self.lock_fd is not None:
+                shutil.rmtree(path)
+            elif os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)
+            elif self.lock_fd is not None:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("left %s after the failed mount: %s", path, e.strerror)
+
+
+def open_state(opts: MountOptions, attempt: Optional[Attempt] = None) -> State:
+    """Lock SOURCE and open (or create) its index and log. May block.
+
+    With an attempt, what this creates is recorded in it, and it holds the
+    lock until its `finish`.
+    """
+    holds_lock = attempt is not None
+    attempt = attempt or Attempt()
     os.makedirs(opts.state_dir, mode=0o700, exist_ok=True)
     with ExitStack() as undo:
+        lock_path = os.path.join(opts.state_dir, "lock")
+        new_lock = not os.path.exists(lock_path)
         lock_fd = lock_source(opts.state_dir)
         undo.callback(os.close, lock_fd)
+        if holds_lock:
+            attempt.hold_lock(lock_fd)
+        if new_lock:
+            attempt.made(lock_path)
         source_fd = os.open(opts.source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         undo.callback(os.close, source_fd)
+        if not index_exists(opts.index_dir):
+            create_index(opts, source_fd, attempt)
         index = Index(opts.index_dir)
         undo.callback(index.close)
-        if not index.is_formatted():
-            st = os.fstat(source_fd)
-            index.format(ix.new_fs_uuid(), time.time_ns(), st.st_uid, st.st_gid)
-            counters = {name: index.counters[name] for name in ix.ID_COUNTERS}
-            adopted = [0]
-            index.write_direct(lambda txn: adopted.__setitem__(
-                0, adopt.adopt_tree(txn, source_fd, counters)))
-            log.info("new ckptfs over %s; adopted %d existing entries", opts.source, adopted[0])
         index.upgrade_format()
         fs_uuid = index.check_format()
         opts.pmem = log_path(opts, index)
         has_hot_data = ix.has_log_chunks(index)
-        if has_hot_data and not os.path.exists(opts.pmem_path):
-            raise FormatError(f"log {opts.pmem_path} is missing but the index names data in it")
-        size = opts.pmem_size
-        if size is None and not os.path.exists(opts.pmem_path):
-            size = opts.default_pmem_size()
-        plog = PmemLog.open(opts.pmem_path, size, fs_uuid)
+        plog = open_log(opts, fs_uuid, has_hot_data, attempt)
         undo.callback(plog.close)
         remember_log_path(index, opts)
         sources = SourceFiles(source_fd)
-        backend = open_backing(opts, index, fs_uuid) if opts.tiering else None
+        backend = open_backing(opts, index, fs_uuid, attempt) if opts.tiering else None
         if backend is not None:
             undo.callback(backend.close)
         undo.pop_all()
     return State(opts, lock_fd, source_fd, index, plog, sources, backend, fs_uuid)
 
 
-def open_backing(opts: MountOptions, index: Index, fs_uuid: bytes) -> Optional[LocalBackend]:
+def index_exists(index_dir: str) -> bool:
+    """A formatted index is at index_dir. An unformatted one (an older ckptfs's
+    first mount cut off between making and formatting it) holds nothing."""
+    if not os.path.exists(os.path.join(index_dir, "data.mdb")):
+        return False
+    index = Index(index_dir)
+    try:
+        return index.is_formatted()
+    finally:
+        index.close()
+
+
+def create_index(opts: MountOptions, source_fd: int, attempt: Attempt) -> None:
+    """Format a new index and adopt SOURCE's tree into it. May block.
+
+    Built in index.creating and renamed into place once durable: a first
+    mount cut off anywhere leaves no half-made index that a later mount
+    would take for a filesystem (one without the adopted files).
+    """
+    tmp = opts.index_dir + CREATING_SUFFIX
+    for leftover in (tmp, opts.index_dir):
+        if os.path.lexists(leftover):
+            log.warning("removing %s: a first mount was cut off while making it", leftover)
+            shutil.rmtree(leftover)
+    attempt.made(tmp, tree=True)
+    index = Index(tmp)
+    try:
+        st = os.fstat(source_fd)
+        index.format(ix.new_fs_uuid(), time.time_ns(), st.st_uid, st.st_gid)
+        counters = {name: index.counters[name] for name in ix.ID_COUNTERS}
+        adopted = [0]
+        index.write_direct(lambda txn: adopted.__setitem__(
+            0, adopt.adopt_tree(txn, source_fd, counters)))
+    finally:
+        index.close()
+    os.rename(tmp, opts.index_dir)
+    attempt.made(opts.index_dir, tree=True)
+    _fsync_dir(opts.state_dir)
+    log.info("new ckptfs over %s; adopted %d existing entries", opts.source, adopted[0])
+
+
+def open_log(opts: MountOptions, fs_uuid: bytes, has_hot_data: bool,
+             attempt: Attempt) -> PmemLog:
+    """Open the log, or create it (with the default size unless pmem_size=). May block."""
+    path = opts.pmem_path
+    at_default_place = os.path.abspath(path) == os.path.join(opts.state_dir, "pmem.log")
+    if (not has_hot_data and at_default_place and os.path.isfile(path)
+            and PmemLog.is_blank(path)):
+        # Only an older ckptfs made a log in place here: blank means its creation was cut off.
+        log.warning("removing %s: its creation was cut off (blank superblock)", path)
+        os.unlink(path)
+    if os.path.exists(path):
+        return PmemLog.open(path, opts.pmem_size, fs_uuid, format_blank=not has_hot_data)
+    if has_hot_data:
+        raise FormatError(f"log {path} is missing but the index names data in it (restore "
+                          "it, or mount with pmem= naming where it is)")
+    size = opts.pmem_size
+    if size is None:
+        size = opts.default_pmem_size()
+        note = (f"new log {path} reserves {size / (1 << 30):.1f} GiB of disk now (default: "
+                "a quarter of the free space, 256 MiB to 8 GiB; -o pmem_size= sets it)")
+        log.info("%s", note)
+        attempt.notes.append(note)
+    plog = PmemLog.create(path, size, fs_uuid)
+    attempt.made(path)
+    return plog
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_backing(opts: MountOptions, index: Index, fs_uuid: bytes,
+                 attempt: Optional[Attempt] = None) -> Optional[LocalBackend]:
     """The backing store: created on first use, after that only ever checked.
 
     A store that was attached before and is missing now (an NFS mount gone)
@@ -121,7 +256,17 @@ def open_backing(opts: MountOptions, index: Index, fs_uuid: bytes) -> Optional[L
     root = backing_root(opts, index)
     known = ix.get_store_uuid(index)
     if known is None:
+        missing = []            # what create makes: the directory and parents, or the marker
+        path = os.path.abspath(root)
+        while not os.path.lexists(path):
+            missing.append(path)
+            path = os.path.dirname(path)
         backend = LocalBackend.create(root, uuidlib.UUID(bytes=fs_uuid))
+        if attempt is not None:
+            for made in reversed(missing[1:]):
+                attempt.made(made)
+            attempt.made(missing[0] if missing else os.path.join(root, MARKER_NAME),
+                         tree=bool(missing))
         index.write_direct(lambda txn: ix.set_store(txn, backend.store_uuid.bytes,
                                                     os.path.abspath(root).encode()))
         log.info("backing store %s created", backend.url)
@@ -209,6 +354,14 @@ def lock_source(state_dir: str) -> int:
     return fd
 
 
+def _close_log_file() -> None:
+    root = logging.getLogger("ckptfs")
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+            handler.close()
+
+
 def setup_logging(opts: MountOptions, foreground: bool) -> None:
     level = logging.DEBUG if opts.debug else logging.INFO
     if foreground:
@@ -238,19 +391,36 @@ def fuse_options(opts: MountOptions) -> set[str]:
 
 
 def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
-    """Run the daemon in this process until unmounted. Returns an exit code."""
+    """Run the daemon in this process until unmounted. Returns an exit code.
+
+    A mount that fails before it is live removes what its attempt created.
+    """
     opts.source = os.path.realpath(opts.source)
     opts.mountpoint = os.path.realpath(opts.mountpoint)
+    attempt = Attempt()
     try:
-        os.makedirs(opts.state_dir, mode=0o700, exist_ok=True)
+        return _serve(opts, ready_fd, attempt)
+    finally:
+        if not attempt.live:
+            _close_log_file()
+        attempt.finish()
+
+
+def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int:
+    try:
+        attempt.make_dir(opts.state_dir)
     except OSError as e:
         _report(ready_fd, f"ckptfs: cannot create the state directory {opts.state_dir}: "
                           f"{e.strerror}")
         return 1
+    log_path = os.path.join(opts.state_dir, "daemon.log")
+    if ready_fd is not None and not os.path.exists(log_path):
+        attempt.made(log_path)
     setup_logging(opts, foreground=ready_fd is None)
     try:
-        state = open_state(opts)
+        state = open_state(opts, attempt)
     except (CkptfsError, OSError) as e:
+        log.error("%s", e)
         _report(ready_fd, f"ckptfs: {e}")
         return 1
     fs = Filesystem(state.index, state.log, state.sources,
@@ -284,7 +454,7 @@ def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
         except RuntimeError as e:
             raise OperationFailed(f"cannot mount on {opts.mountpoint}: {e}") from None
         mounted = True
-        trio.run(_run, fs, opts, ready_fd, sock_path, metrics)
+        trio.run(_run, fs, opts, ready_fd, sock_path, attempt, metrics)
     except (CkptfsError, OSError) as e:
         log.error("%s", e)
         _report(ready_fd, f"ckptfs: {e}")
@@ -300,7 +470,7 @@ def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
 
 
 async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
-               sock_path: str, metrics=None) -> None:
+               sock_path: str, attempt: Attempt, metrics=None) -> None:
     async with trio.open_nursery() as outer:
         outer.start_soon(fs.run_committer)
         async with trio.open_nursery() as inner:
@@ -315,7 +485,7 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
                 if opts.metrics_file:
                     inner.start_soon(prom.write_textfile_periodically, opts.metrics_file,
                                      metrics.registry)
-            inner.start_soon(_report_ready, ready_fd, opts)
+            inner.start_soon(_report_ready, ready_fd, opts, attempt)
             try:
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
             finally:
@@ -327,10 +497,15 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
                 inner.cancel_scope.cancel()
 
 
-async def _report_ready(ready_fd: Optional[int], opts: MountOptions) -> None:
+async def _report_ready(ready_fd: Optional[int], opts: MountOptions,
+                        attempt: Attempt) -> None:
     await trio.sleep(0)      # pyfuse3.main is now reading requests
     log.info("mounted %s on %s (pid %d, sync=%s)", opts.source, opts.mountpoint,
              os.getpid(), opts.sync)
+    attempt.live = True
+    if ready_fd is not None:
+        for note in attempt.notes:        # the mount command prints them (-f: the log did)
+            _send(ready_fd, f"note: {note}")
     _report(ready_fd, "OK")
 
 
@@ -471,14 +646,22 @@ def fsname_decode(fsname: str) -> str:
 
 
 def _report(ready_fd: Optional[int], message: str) -> None:
+    """The last word to the mount command: "OK", or why the mount failed."""
     message = one_line(message)
     if ready_fd is None:
         if message != "OK":
             print(message, file=sys.stderr)
         return
+    _send(ready_fd, message)
     try:
-        os.write(ready_fd, message.encode(errors="replace") + b"\n")
         os.close(ready_fd)
+    except OSError:
+        pass
+
+
+def _send(ready_fd: int, line: str) -> None:
+    try:
+        os.write(ready_fd, one_line(line).encode(errors="replace") + b"\n")
     except OSError:
         pass
 
@@ -497,14 +680,20 @@ def mount(opts: MountOptions) -> int:
         proc = subprocess.Popen(cmd, stdin=devnull_in, stdout=devnull_out, stderr=subprocess.PIPE,
                                 pass_fds=(write_fd,), start_new_session=True, cwd="/")
     os.close(write_fd)
+    line = ""
     with os.fdopen(read_fd, "rb") as ready:
-        line = ready.readline().decode(errors="replace").strip()
+        for raw in ready:
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("note: "):
+                break
+            print(f"ckptfs: {line[len('note: '):]}", file=sys.stderr)
+            line = ""
     if line == "OK":
         proc.stderr.close()
         return 0
-    code = proc.wait()
-    stderr = proc.stderr.read().decode(errors="replace").strip().splitlines()
-    proc.stderr.close()
+    _, err = proc.communicate()      # the daemon has removed what it made once it exited
+    code = proc.returncode
+    stderr = err.decode(errors="replace").strip().splitlines()
     message = line or (stderr[-1] if stderr else
                        f"ckptfs: daemon exited with code {code} before the mount was live")
     print(message if message.startswith("ckptfs:") else f"ckptfs: {message}", file=sys.stderr)

@@ -14,7 +14,14 @@ file, stores are pwrite(2) (faster than faulting fresh mmap pages) and the
 barrier is msync(2)/fdatasync(2). Either way the native module does the byte
 work with the GIL released.
 
-Which functions may block: `store`, `persist`, `read_into` and `open`/`close`
+Creation: a new log file is made under a temporary name (PATH.creating:
+fallocate, superblock, fsync) and renamed into place, so a log at PATH is
+always whole; a PATH.creating that a killed first mount left is removed and
+made again. An existing log whose superblock page is blank (all zero: a new
+DAX device, an empty file) is formatted in place only when the caller says
+that nothing lives in it.
+
+Which functions may block: `store`, `persist`, `read_into` and `create`/`open`/`close`
 do I/O and belong on a worker thread for anything large. The allocator
 (`allocate`, `reserve`, `release`) is pure bookkeeping for the trio thread.
 """
@@ -31,7 +38,7 @@ from typing import Iterable, Optional
 from sortedcontainers import SortedDict
 
 from . import native
-from .errors import DamagedData, FormatError, NoSpace
+from .errors import DamagedData, FormatError, NoSpace, OperationFailed
 from .index import CRC_BLOCK_BYTES
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,7 @@ MAGIC = b"CKPTLOG1"
 _SUPER = struct.Struct("<8sIQ16s")    # magic, version, size, fs uuid; then crc32c
 LOG_VERSION = 1
 MIN_SIZE_BYTES = 16 * PAGE_BYTES      # the superblock and a little room
+CREATING_SUFFIX = ".creating"         # a new log file until it is whole
 
 
 def round_up(n: int, to: int = PAGE_BYTES) -> int:
@@ -64,42 +72,96 @@ class PmemLog:
     # ------------------------------------------------------------ lifecycle
 
     @classmethod
-    def open(cls, path: str, size_bytes: Optional[int], fs_uuid: bytes) -> "PmemLog":
-        """Open or create the log. May block (fallocate, fsync).
+    def create(cls, path: str, size_bytes: int, fs_uuid: bytes) -> "PmemLog":
+        """Make a new log file at path (which must not exist). May block.
 
-        size_bytes=None keeps an existing log's size; a larger size grows it;
-        a smaller one is refused (committed data may live at the end).
+        Built whole under PATH.creating, then renamed: a creation cut off
+        anywhere (killed during fallocate or the superblock write) leaves no
+        PATH, only a PATH.creating, which the next create removes.
         """
-        exists = os.path.exists(path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        size_bytes = cls._check_size(size_bytes)
+        tmp = path + CREATING_SUFFIX
+        if os.path.exists(tmp):
+            log.warning("removing %s: the creation of a log was cut off there", tmp)
+            os.unlink(tmp)
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise OperationFailed(f"cannot create the log {path}: {e.strerror} (pmem= must "
+                                  "name a file in an existing directory)") from e
+        try:
+            _preallocate(fd, size_bytes, path)
+            cls._write_superblock(fd, size_bytes, fs_uuid)
+            os.rename(tmp, path)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        _fsync_dir(os.path.dirname(path) or ".")
+        log.info("created log %s: %d bytes reserved", path, size_bytes)
+        return cls._mapped(path, fd, size_bytes)
+
+    @classmethod
+    def open(cls, path: str, size_bytes: Optional[int], fs_uuid: bytes,
+             format_blank: bool = False) -> "PmemLog":
+        """Open a log (a file or a DAX device); create a missing file. May block.
+
+        size_bytes=None keeps the log's size; a larger size grows it; a
+        smaller one is refused (committed data may live at the end). A blank
+        log (superblock page all zero: a new device, an empty file) is
+        formatted only with format_blank (the index names nothing in it);
+        a device then gets size_bytes, or all of it.
+        """
+        if not os.path.exists(path):
+            if size_bytes is None:
+                raise FormatError(f"{path}: no pmem_size given for a new log")
+            return cls.create(path, size_bytes, fs_uuid)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
             is_device = stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode)
             current = _device_size(fd) if is_device else st.st_size
-            if not exists or current == 0:
-                if size_bytes is None:
-                    raise FormatError(f"{path}: no pmem_size given for a new log")
-                size_bytes = cls._check_size(size_bytes)
+            if _is_blank(fd):
+                if not format_blank:
+                    raise FormatError(f"{path}: the log is blank (never formatted, or wiped) "
+                                      "and the index may name data in it: restore the right "
+                                      "log (ckptfs fsck SOURCE shows what is affected)")
+                size_bytes = cls._check_size(size_bytes or current)
+                if is_device and size_bytes > current:
+                    raise FormatError(f"{path}: device holds only {current} bytes (give a "
+                                      f"pmem_size of at most {current >> 20}M)")
                 if not is_device:
                     _preallocate(fd, size_bytes, path)
                 cls._write_superblock(fd, size_bytes, fs_uuid)
+                log.info("formatted blank log %s: %d bytes", path, size_bytes)
             else:
                 stored_size, stored_uuid = cls._read_superblock(fd, path)
                 if stored_uuid != fs_uuid:
-                    raise FormatError(f"{path} belongs to another ckptfs filesystem")
+                    raise FormatError(f"{path} belongs to another ckptfs filesystem (each "
+                                      "needs its own log: point pmem= at another path)")
                 if size_bytes is None or size_bytes == stored_size:
                     size_bytes = stored_size
                 elif size_bytes < stored_size:
                     raise FormatError(f"{path}: pmem_size {size_bytes} is smaller than the "
-                                      f"log's {stored_size}; shrinking is not supported")
+                                      f"log's {stored_size}; shrinking is not supported (mount "
+                                      "without pmem_size to keep its size)")
                 else:
                     size_bytes = cls._check_size(size_bytes)
                     if is_device and size_bytes > current:
-                        raise FormatError(f"{path}: device holds only {current} bytes")
+                        raise FormatError(f"{path}: device holds only {current} bytes (give "
+                                          f"a pmem_size of at most {current >> 20}M)")
                     if not is_device:
                         _preallocate(fd, size_bytes, path)
                     cls._write_superblock(fd, size_bytes, fs_uuid)
                     log.info("grew log %s from %d to %d bytes", path, stored_size, size_bytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls._mapped(path, fd, size_bytes)
+
+    @classmethod
+    def _mapped(cls, path: str, fd: int, size_bytes: int) -> "PmemLog":
+        try:
             mapping, dax = native.map_log(fd, size_bytes)
         except BaseException:
             os.close(fd)
@@ -107,6 +169,15 @@ class PmemLog:
         log.debug("log %s: %d bytes, dax=%s, flush=%s", path, size_bytes, dax,
                   native.flush_instruction())
         return cls(path, fd, size_bytes, dax, mapping)
+
+    @staticmethod
+    def is_blank(path: str) -> bool:
+        """The superblock page is all zero (or the file is shorter and zero): never formatted."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return _is_blank(fd)
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _check_size(size_bytes: int) -> int:
@@ -128,12 +199,15 @@ class PmemLog:
             raise FormatError(f"{path} is not a ckptfs log (too short)")
         magic, version, size_bytes, fs_uuid = _SUPER.unpack_from(raw)
         if magic != MAGIC:
-            raise FormatError(f"{path} is not a ckptfs log (bad magic)")
+            raise FormatError(f"{path} is not a ckptfs log (bad magic): point pmem= at "
+                              "another path, or remove it if it holds nothing you need")
         (crc,) = struct.unpack_from("<I", raw, _SUPER.size)
         if crc != native.crc32c(raw[:_SUPER.size]):
-            raise FormatError(f"{path}: log superblock is damaged")
+            raise FormatError(f"{path}: log superblock is damaged (ckptfs fsck SOURCE shows "
+                              "what the index names in it)")
         if version != LOG_VERSION:
-            raise FormatError(f"{path}: log version {version} is not supported")
+            raise FormatError(f"{path}: log version {version} is not supported (mount it with "
+                              "the ckptfs that made it)")
         return size_bytes, fs_uuid
 
     def close(self) -> None:
@@ -351,6 +425,25 @@ def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def _device_size(fd: int) -> int:
     return os.lseek(fd, 0, os.SEEK_END)
+
+
+def _is_blank(fd: int) -> bool:
+    return not any(os.pread(fd, SUPERBLOCK_BYTES, 0))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _preallocate(fd: int, size_bytes: int, path: str) -> None:
