@@ -382,6 +382,7 @@ def setup_logging(opts: MountOptions, foreground: bool) -> None:
 def fuse_options(opts: MountOptions) -> set[str]:
     options = set(pyfuse3.default_options) | {f"fsname={fsname_encode(opts.source)}",
                                               "subtype=ckptfs"}
+    options.add("default_permissions")      # the kernel checks modes: needed with allow_other
     if opts.allow_other:
         options.add("allow_other")
     if opts.read_only:

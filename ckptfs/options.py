@@ -43,8 +43,10 @@ OPTIONS: dict[str, tuple[bool, str]] = {
                            "(loopback only)"),
     "metrics_file": (True, "write Prometheus metrics to PATH every 10 s, atomically (for "
                            "node_exporter's textfile collector; PATH must be outside the mount)"),
-    "allow_other": (False, "let other users access the mount (needs user_allow_other for "
-                           "non-root)"),
+    "allow_other": (False, "on (default when root mounts): every user may use the mount, "
+                           "file modes decide (default_permissions); =off: only the user who "
+                           "mounted (the default for others; =on needs user_allow_other in "
+                           "/etc/fuse.conf)"),
     "ro": (False, "mount read-only"),
     "debug": (False, "log every operation's detail (to stderr with -f, else the daemon log)"),
     "foreground": (False, "same as -f"),
@@ -81,7 +83,7 @@ class MountOptions:
     tiering: bool = True
     metrics_port: Optional[int] = None
     metrics_file: Optional[str] = None
-    allow_other: bool = False
+    allow_other: Optional[bool] = None     # None: on when root mounts (parse_options)
     read_only: bool = False
     debug: bool = False
     foreground: bool = False
@@ -128,8 +130,8 @@ class MountOptions:
             parts.append(f"metrics_port={self.metrics_port}")
         if self.metrics_file:
             parts.append(f"metrics_file={self.metrics_file}")
-        for flag, on in (("allow_other", self.allow_other), ("ro", self.read_only),
-                         ("debug", self.debug)):
+        parts.append("allow_other" if self.allow_other else "allow_other=off")
+        for flag, on in (("ro", self.read_only), ("debug", self.debug)):
             if on:
                 parts.append(flag)
         parts.extend(self.kernel_flags)
@@ -154,6 +156,10 @@ def parse_options(source: str, mountpoint: str, option_strings: list[str]) -> Mo
         for item in filter(None, (s.strip() for s in chunk.split(","))):
             name, eq, value = item.partition("=")
             _apply(opts, name, value if eq else None, item)
+    if opts.allow_other is None:
+        # Root mounts (setup script, fstab, systemd) serve the training job's own
+        # user too: with default_permissions the file modes decide, as on ext4.
+        opts.allow_other = os.geteuid() == 0
     return opts
 
 
@@ -167,6 +173,12 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
     spec = OPTIONS.get(name)
     if spec is None:
         raise UsageError(f"unknown mount option {item!r} (see mount.ckptfs --help)")
+    if name == "allow_other":
+        # Bare (as fstab lines have it) or =on; =off keeps the mount to its user.
+        if value not in (None, "on", "off"):
+            raise UsageError(f"allow_other must be 'on' or 'off', not {value!r}")
+        opts.allow_other = value != "off"
+        return
     takes_value, _ = spec
     if takes_value and not value:
         raise UsageError(f"mount option {name} needs a value ({name}=...)")
@@ -214,8 +226,6 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
     elif name == "metrics_file":
         from .metrics import check_textfile_path
         opts.metrics_file = check_textfile_path(value, opts.mountpoint)
-    elif name == "allow_other":
-        opts.allow_other = True
     elif name == "ro":
         opts.read_only = True
     elif name == "debug":
@@ -227,7 +237,8 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
 def options_help() -> str:
     lines = ["Options (-o NAME[=VALUE],...):"]
     for name, (takes_value, text) in OPTIONS.items():
-        lines.append(f"  {name + ('=VALUE' if takes_value else ''):<18} {text}")
+        shown = name + ("=VALUE" if takes_value else "[=off]" if name == "allow_other" else "")
+        lines.append(f"  {shown:<18} {text}")
     lines.append("  Generic mount options " + ", ".join(sorted(PASSED_THROUGH)) +
                  " are passed to the kernel; " + ", ".join(sorted(IGNORED)) +
                  ", x-* and comment= are accepted and ignored.")

@@ -7,13 +7,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from conftest import CKPTFS, MOUNT_HELPER, REPO, is_mounted, run_ckptfs
-from posix_helpers import MiB, check_clean, pattern, read_file, wait_for, write_file
+from posix_helpers import MiB, as_user, check_clean, pattern, read_file, wait_for, write_file
 
 from ckptfs.options import OPTIONS
 
@@ -484,3 +487,64 @@ def test_pmem_size_grows_never_shrinks(make_mount):
     m.start()
     assert m.stat()["pmem_size"] == 128 * MiB
     assert read_file(m.path / "f") == b"x"
+
+
+# ------------------------------------------------------------- other users
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def reachable_dir():
+    """A directory every user can reach (pytest's own tmp dirs are 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="ckptfs-users-", dir="/tmp"))
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _files_for_others(m) -> None:
+    old = os.umask(0)
+    try:
+        (m.path / "public").write_bytes(b"for everyone")
+        os.chmod(m.path / "public", 0o644)
+        (m.path / "private").write_bytes(b"root only")
+        os.chmod(m.path / "private", 0o600)
+        os.mkdir(m.path / "ro_dir", 0o755)
+        os.mkdir(m.path / "shared", 0o777)
+    finally:
+        os.umask(old)
+
+
+def test_root_mount_serves_other_users_by_file_modes(make_mount, reachable_dir):
+    """Mounted by root (setup script, fstab, systemd), the training job's own
+    user reads and writes what the modes allow, and nothing else."""
+    src = reachable_dir / "ckpt"
+    src.mkdir(mode=0o755)
+    m = make_mount(source=src, options=["pmem_size=64M"])
+    _files_for_others(m)
+    res = as_user(NOBODY, ["cat", str(m.path / "public")])
+    assert res.returncode == 0 and res.stdout == "for everyone", res.stderr
+    res = as_user(NOBODY, ["cat", str(m.path / "private")])
+    assert res.returncode != 0 and "Permission denied" in res.stderr, res
+    res = as_user(NOBODY, ["touch", str(m.path / "ro_dir" / "x")])
+    assert res.returncode != 0 and "Permission denied" in res.stderr, res
+    res = as_user(NOBODY, ["touch", str(m.path / "shared" / "mine")])
+    assert res.returncode == 0, res.stderr
+    st = os.stat(m.path / "shared" / "mine")
+    assert (st.st_uid, st.st_gid) == (NOBODY, NOBODY)
+    res = as_user(NOBODY, ["ls", str(m.path)])
+    assert res.returncode == 0 and "public" in res.stdout.split(), res.stderr
+
+
+def test_allow_other_off_keeps_the_mount_to_its_user(make_mount, reachable_dir):
+    src = reachable_dir / "ckpt"
+    src.mkdir(mode=0o755)
+    m = make_mount(source=src, options=["pmem_size=64M", "allow_other=off"])
+    _files_for_others(m)
+    res = as_user(NOBODY, ["cat", str(m.path / "public")])
+    assert res.returncode != 0 and "Permission denied" in res.stderr, res
+    assert (m.path / "public").read_bytes() == b"for everyone"
+    res = helper(str(reachable_dir), str(reachable_dir), "-o", "allow_other=maybe")
+    assert res.returncode == 2
+    assert "allow_other must be" in one_line(res.stderr)
