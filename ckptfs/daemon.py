@@ -228,8 +228,9 @@ def open_log(opts: MountOptions, fs_uuid: bytes, has_hot_data: bool,
     size = opts.pmem_size
     if size is None:
         size = opts.default_pmem_size()
-        note = (f"new log {path} reserves {size / (1 << 30):.1f} GiB of disk now (default: "
-                "a quarter of the free space, 256 MiB to 8 GiB; -o pmem_size= sets it)")
+        shown = f"{size / (1 << 30):.1f} GiB" if size >= 1 << 30 else f"{size >> 20} MiB"
+        note = (f"new log {path} reserves {shown} of disk now (default: a quarter of the "
+                "free space, 256 MiB to 8 GiB; -o pmem_size= sets it)")
         log.info("%s", note)
         attempt.notes.append(note)
     plog = PmemLog.create(path, size, fs_uuid)

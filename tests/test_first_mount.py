@@ -179,3 +179,35 @@ def test_blank_device_is_formatted_and_one_with_data_refused(make_mount, loop_de
     assert res.returncode == 1
     assert "point pmem= at another path" in one_line(res.stderr)
     assert not (other.source / ".ckptfs").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 GiB filesystem (tmpfs) of its own: the default log size follows its free space."""
+    where = tmp_path / "disk"
+    where.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1G,mode=0755", "tmpfs",
+                          str(where)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {res.stderr.strip()}")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_default_log_size_is_said_once(small_disk, make_mount):
+    """A mount without pmem_size= reserves a quarter of the free disk (up to
+    8 GiB) at once: one line on stderr and in the daemon log says so."""
+    src = small_disk / "ckpt"
+    src.mkdir()
+    m = make_mount(source=src, options=[], start=False)
+    res = helper(str(m.source), str(m.path))
+    assert res.returncode == 0, res.stderr
+    m.pid = m.stat()["pid"]
+    line = one_line(res.stderr)
+    assert "reserves 256 MiB of disk now" in line and "pmem_size=" in line, line
+    assert m.stat()["pmem_size"] == 256 << 20
+    m.umount()
+    assert "reserves 256 MiB of disk now" in (src / ".ckptfs" / "daemon.log").read_text()
+    res = helper(str(m.source), str(m.path))          # the log exists: nothing to say
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    m.pid = m.stat()["pid"]
