@@ -4,7 +4,9 @@
 then starts the daemon as a fresh process (the same Python, importing the
 very `ckptfs` package the caller imported, in `/`) and waits on a pipe until
 the daemon reports that the mount is live, or why it is not: so the command
-returns 0 only for a live mount and prints one clear line otherwise. No fork
+returns 0 only for a live mount and prints one clear line otherwise (and,
+before that, one line per note: a new log's size, a backing store that
+cannot be reached). No fork
 inside trio, no double fork: the daemon is a new session started by
 subprocess.
 
@@ -14,7 +16,8 @@ pyfuse3.init, then the trio loop. At the end: every open file committed,
 orphans purged, the index marked clean and synced, then unmount.
 
 A mount that fails before it is live removes exactly what its attempt
-created (`Attempt`): a failed first mount leaves SOURCE as it found it. A
+created (`Attempt`): a failed first mount leaves SOURCE as it found it, and an
+S3 store it created as it found it (its marker deleted). A
 first mount cut off by a kill leaves only `index.creating` or
 `pmem.log.creating`, which the next mount removes and makes again.
 """
@@ -35,7 +38,7 @@ import time
 import uuid as uuidlib
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import pyfuse3
 import trio
@@ -43,12 +46,13 @@ import trio
 from . import adopt, control
 from . import index as ix
 from .core import CommitPolicy, Filesystem
-from .errors import CkptfsError, FormatError, OperationFailed, one_line
+from .errors import BackingCredentials, CkptfsError, FormatError, OperationFailed, one_line
 from .files import SourceFiles
 from .fuse_ops import CkptfsOperations
 from .index import Index
 from .options import MountOptions, parse_options
-from .backing.base import MARKER_NAME
+from .backing import is_url, open_backend
+from .backing.base import MARKER_NAME, Backend
 from .backing.local import LocalBackend
 from .pmemlog import CREATING_SUFFIX, PmemLog
 
@@ -67,7 +71,7 @@ class State:
     index: Index
     log: PmemLog
     sources: SourceFiles
-    backend: Optional[LocalBackend]
+    backend: Optional[Backend]
     fs_uuid: bytes
 
     def close(self) -> None:
@@ -91,6 +95,7 @@ class Attempt:
     """
 
     created: list[tuple[str, bool]] = field(default_factory=list)   # (path, whole tree)
+    undo: list[Callable[[], None]] = field(default_factory=list)    # what is not a path
     notes: list[str] = field(default_factory=list)
     live: bool = False
     lock_fd: Optional[int] = None     # a dup: the lock outlives State.close until finish
@@ -109,6 +114,11 @@ class Attempt:
     def finish(self) -> None:
         try:
             if not self.live:
+                for fn in reversed(self.undo):
+                    try:
+                        fn()
+                    except (CkptfsError, OSError) as e:
+                        log.warning("after the failed mount: %s", e)
                 for path, tree in reversed(self.created):
                     self._remove(path, tree)
         finally:
@@ -247,16 +257,29 @@ def _fsync_dir(path: str) -> None:
 
 
 def open_backing(opts: MountOptions, index: Index, fs_uuid: bytes,
-                 attempt: Optional[Attempt] = None) -> Optional[LocalBackend]:
+                 attempt: Optional[Attempt] = None) -> Optional[Backend]:
     """The backing store: created on first use, after that only ever checked.
 
-    A store that was attached before and is missing now (an NFS mount gone)
-    is not recreated: the mount goes ahead, hot data works, tiering retries
-    and cold reads give EIO until it is back. May block.
+    A store that was attached before and cannot be reached now (an NFS mount
+    gone, an S3 endpoint down) is not recreated: the mount goes ahead, hot
+    data works, tiering retries and cold reads give EIO until it is back; the
+    reason is logged and noted for the mount command. Credentials an S3 store
+    refuses (or none at all) fail the mount: configuration, not an outage.
+    May block.
     """
     root = backing_root(opts, index)
     known = ix.get_store_uuid(index)
-    if known is None:
+    store_kw = {"profile": opts.aws_profile}
+    if known is None and is_url(root):
+        backend = open_backend(root, uuidlib.UUID(bytes=fs_uuid), create=True, **store_kw)
+        if attempt is not None and backend.created:
+            attempt.undo.append(backend.remove_if_empty)
+        index.write_direct(lambda txn: ix.set_store(txn, backend.store_uuid.bytes,
+                                                    root.encode()))
+        log.info("backing store %s created", backend.url)
+        backend.close()
+        known = backend.store_uuid.bytes
+    elif known is None:
         missing = []            # what create makes: the directory and parents, or the marker
         path = os.path.abspath(root)
         while not os.path.lexists(path):
@@ -274,7 +297,9 @@ def open_backing(opts: MountOptions, index: Index, fs_uuid: bytes,
         backend.close()
         known = backend.store_uuid.bytes
     mountpoint = os.path.realpath(opts.mountpoint)
-    if os.path.realpath(root).startswith(mountpoint + os.sep):
+    if is_url(root):
+        backend = open_backend(root, uuidlib.UUID(bytes=known), **store_kw)
+    elif os.path.realpath(root).startswith(mountpoint + os.sep):
         # Below the mount (the default, SOURCE/.ckptfs/store): once mounted, its
         # path would lead through this very daemon. A directory fd opened now
         # reaches the real directory: /proc/self/fd/N jumps straight to it.
@@ -290,8 +315,14 @@ def open_backing(opts: MountOptions, index: Index, fs_uuid: bytes,
         backend = LocalBackend(root, uuidlib.UUID(bytes=known))
     try:
         backend.check()
+    except BackingCredentials:
+        backend.close()
+        raise               # configuration, not an outage: the mount fails with one line
     except CkptfsError as e:
         log.warning("%s; hot data works, cold reads give EIO until it is back", e)
+        if attempt is not None:
+            attempt.notes.append(f"warning: {e}: mounted anyway; hot data works, tiering "
+                                 "retries and cold reads give EIO until the store is back")
     return backend
 
 

@@ -32,7 +32,7 @@ from .daemon import backing_root, ckptfs_mounts, lock_source, log_path
 from .errors import BackingReadOnly, CkptfsError, DamagedData, FormatError, OperationFailed
 from . import packs
 from .backing.base import Backend
-from .backing.local import LocalBackend
+from .backing import open_backend
 from .index import (CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, ROOT_INO, Chunk, DirectTxn, Extent,
                     Index, Inode)
 from .namespace import NAME_MAX, STATE_DIR_NAME
@@ -666,7 +666,8 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
                 log_problem = f"the log {pmem_path} cannot be used: {e}"
         store_uuid = ix.get_store_uuid(index)
         if store_uuid is not None:
-            backend = LocalBackend(backing_root(opts, index), uuidlib.UUID(bytes=store_uuid))
+            backend = open_backend(backing_root(opts, index), uuidlib.UUID(bytes=store_uuid),
+                                   profile=opts.aws_profile)
             try:
                 backend.check()
             except BackingReadOnly:

@@ -34,7 +34,11 @@ OPTIONS: dict[str, tuple[bool, str]] = {
                     "only once; off: store every write as written"),
     "backing": (True, "backing store cold chunks move to, compressed: an absolute "
                       "directory path or file:///DIR (default SOURCE/.ckptfs/store; in "
-                      "production a shared filesystem)"),
+                      "production a shared filesystem), or s3://BUCKET/PREFIX (endpoint, "
+                      "region and keys the standard AWS way: AWS_* variables, ~/.aws/config "
+                      "and ~/.aws/credentials; never in these options)"),
+    "aws_profile": (True, "s3:// store: the AWS profile of ~/.aws/config and "
+                          "~/.aws/credentials to use (default: AWS_PROFILE, else 'default')"),
     "hot_versions": (True, "checkpoint versions kept hot in the log (default 2); older ones "
                            "move to the backing store"),
     "tiering": (True, "on (default): move cold versions to the backing store in the "
@@ -58,6 +62,7 @@ PASSED_THROUGH = {"rw", "nosuid", "suid", "nodev", "dev", "noexec", "exec", "noa
 IGNORED = {"defaults", "auto", "noauto", "nofail", "_netdev", "user", "nouser", "users",
            "owner", "group", "nocomment"}
 
+_PROFILE = re.compile(r"^[A-Za-z0-9_.+-]{1,64}$")
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGTP]?)(i?B)?\s*$", re.IGNORECASE)
 
 
@@ -79,6 +84,7 @@ class MountOptions:
     lazy_delay_s: float = 1.0
     dedup: bool = True
     backing: Optional[str] = None
+    aws_profile: Optional[str] = None
     hot_versions: int = 2
     tiering: bool = True
     metrics_port: Optional[int] = None
@@ -124,6 +130,8 @@ class MountOptions:
         parts.append(f"dedup={'on' if self.dedup else 'off'}")
         if self.backing:
             parts.append(f"backing={self.backing}")
+        if self.aws_profile:
+            parts.append(f"aws_profile={self.aws_profile}")
         parts.append(f"hot_versions={self.hot_versions}")
         parts.append(f"tiering={'on' if self.tiering else 'off'}")
         if self.metrics_port is not None:
@@ -209,6 +217,11 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
     elif name == "backing":
         from .backing import check_location
         opts.backing = check_location(value)
+    elif name == "aws_profile":
+        if not _PROFILE.match(value):
+            raise UsageError(f"aws_profile must be a profile name (letters, digits, . _ + -), "
+                             f"not {value!r}")
+        opts.aws_profile = value
     elif name == "hot_versions":
         try:
             opts.hot_versions = int(value)

@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 from . import index as ix
 from . import packs
-from .backing.local import LocalBackend
+from .backing import open_backend
+from .backing.base import Backend
 from .daemon import ckptfs_mounts, lock_source
 from .errors import CkptfsError, OperationFailed
 from .index import CHUNK_PACK, ROOT_INO, Chunk, DirectTxn, Extent, Index, Inode
@@ -66,7 +67,7 @@ def run_recover(source: str, option_strings: Iterable[str], out=None) -> int:
                 raise OperationFailed(f"{opts.index_dir} holds an index: recover rebuilds a lost "
                                  "one (move it aside first if it is damaged beyond fsck)")
         root = opts.backing_dir
-        backend = LocalBackend.open(root)        # the marker must be there
+        backend = open_backend(root, must_exist=True, profile=opts.aws_profile)
         try:
             result = _recover(opts, backend, out)
         finally:
@@ -80,7 +81,7 @@ def run_recover(source: str, option_strings: Iterable[str], out=None) -> int:
     return 0 if not result.skipped else 4
 
 
-def _recover(opts, backend: LocalBackend, out) -> Recovered:
+def _recover(opts, backend: Backend, out) -> Recovered:
     fs_uuid = backend.store_uuid.bytes
     tty = sys.stderr.isatty()
     # Where every chunk is: the pack trailers.
@@ -126,7 +127,7 @@ def _recover(opts, backend: LocalBackend, out) -> Recovered:
 
 
 def _build(txn: DirectTxn, docs: list[dict], where: dict, pack_sizes: dict[int, int],
-           backend: LocalBackend, result: Recovered, st: os.stat_result) -> None:
+           backend: Backend, result: Recovered, st: os.stat_result) -> None:
     counters = {n: ix.read_counter(txn, n) for n in ix.ID_COUNTERS}
 
     def next_id(name: bytes) -> int:
@@ -206,6 +207,6 @@ def _build(txn: DirectTxn, docs: list[dict], where: dict, pack_sizes: dict[int, 
     counters[b"next_pack"] = max([counters[b"next_pack"], *(n + 1 for n in pack_sizes)])
     for name, value in counters.items():
         txn.put("meta", name, ix.u64_le(value))
-    ix.set_store(txn, backend.store_uuid.bytes, backend.root.encode())
+    ix.set_store(txn, backend.store_uuid.bytes, backend.location.encode())
     txn.put("meta", b"clean", b"1")
 

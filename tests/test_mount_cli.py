@@ -113,7 +113,8 @@ def test_option_missing_value_and_bad_size(make_mount):
     m = make_mount(start=False)
     for opt in ("pmem_size", "pmem_size=12X", "sync=sometimes", "debug=1", "dedup=maybe",
                 "tiering=yes", "hot_versions=-1", "hot_versions=two", "metrics_port=0",
-                "metrics_port=99999", "backing"):
+                "metrics_port=99999", "backing", "aws_profile", "aws_profile=a b",
+                "aws_profile=../../etc"):
         res = helper(str(m.source), str(m.path), "-o", opt)
         assert res.returncode == 2, opt
         one_line(res.stderr)
@@ -184,7 +185,8 @@ def test_source_path_never_becomes_mount_options(make_mount, tmp_path, name):
     m.umount()
 
 
-@pytest.mark.parametrize("location", ["s3://bucket/x", "S3://bucket/x", "gs://b/p",
+@pytest.mark.parametrize("location", ["s3://b/x", "s3://AKIA:secret@bucket/x",
+                                      "s3://bucket/../x", "S3://bucket/.x", "gs://b/p",
                                       "s3:/bucket/x", "relative/store", "./store", "store",
                                       "file://relative/dir", "file://"])
 def test_backing_must_be_absolute_or_a_known_scheme(make_mount, tmp_path, location):

@@ -10,9 +10,14 @@ rest, unchanged, to the gateway.
 
 from __future__ import annotations
 
+import errno
 import http.client
 import http.server
+import os
 import random
+import shutil
+import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -24,9 +29,13 @@ from ckptfs.backing.s3 import S3Backend
 from ckptfs.errors import (BackingCredentials, BackingUnavailable, BlobMissing,
                            InvalidArgument)
 
+from conftest import MOUNT_HELPER, is_mounted, run_ckptfs
+from posix_helpers import check_clean, pattern, read_file, write_file
 from test_backing import put, s3_client, s3_session
+from test_tier import tier_now, verify, write_version
 
 KIB = 1024
+MiB = 1 << 20
 
 
 @pytest.fixture
@@ -54,7 +63,6 @@ def make_store(rgw, bucket: str, **kw) -> S3Backend:
 
 def aws_env(monkeypatch, **values: str) -> None:
     """Only these AWS_* variables (and no instance metadata lookups)."""
-    import os
     for k in list(os.environ):
         if k.startswith("AWS_"):
             monkeypatch.delenv(k)
@@ -342,3 +350,168 @@ def test_remove_incomplete_spares_other_prefixes(rgw, bucket):
     wo.commit()
     assert other.list() == ["packs/1.pack"]
     wa.abort()
+
+
+# -- through a real mount ----------------------------------------------------------------------
+
+@pytest.fixture
+def s3_env(rgw, monkeypatch):
+    """The test gateway in the environment (AWS_ENDPOINT_URL, the keys), the
+    standard way: the daemons, fsck and recover the test starts inherit it."""
+    aws_env(monkeypatch, **rgw.env())
+    return rgw.env()
+
+
+def objects(rgw, bucket: str, prefix: str = "") -> list[str]:
+    pages = s3_client(rgw).get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                      Prefix=prefix)
+    return [o["Key"] for p in pages for o in p.get("Contents", ())]
+
+
+def mount_cmd(m, *options: str) -> subprocess.CompletedProcess:
+    args = MOUNT_HELPER + [str(m.source), str(m.path), "-o", ",".join(m.options + list(options))]
+    return subprocess.run(args, capture_output=True, text=True, timeout=120)
+
+
+def test_mount_tiers_to_s3_remounts_and_reads_back(make_mount, rgw, bucket, s3_env, fsck_clean):
+    url = f"s3://{bucket}/ckpt"
+    m = make_mount(options=["pmem_size=256M", "hot_versions=1", f"backing={url}"])
+    files: dict[str, bytes] = {}
+    for step in range(1, 4):
+        files.update(write_version(m.path, step))
+    tier_now(m, "--all")
+    st = m.stat()
+    assert st["backing"] == url
+    assert st["cold_bytes"] > 0 and st["cold_logical_bytes"] >= 3 * 6 * MiB
+    keys = objects(rgw, bucket)
+    assert "ckpt/ckptfs-store" in keys
+    assert any(k.startswith("ckpt/packs/") for k in keys)
+    assert any(k.startswith("ckpt/manifests/") for k in keys)
+    m.remount()                        # empty caches: every cold byte from RGW
+    assert m.stat()["hot_bytes"] < 4 * MiB
+    verify(m.path, files)
+    m.umount()
+    check_clean(fsck_clean, m)
+
+
+def test_recover_from_s3_alone(make_mount, rgw, bucket, s3_env, fsck_clean):
+    """The index and the log lost: `ckptfs recover -o backing=s3://...` rebuilds
+    every tiered file from the bucket."""
+    url = f"s3://{bucket}/ckpt"
+    m = make_mount(options=["pmem_size=128M", f"backing={url}"])
+    files: dict[str, bytes] = {}
+    for step in range(1, 3):
+        files.update(write_version(m.path, step, size=1 * MiB))
+    tier_now(m, "--all")
+    m.umount()
+    state = m.source / ".ckptfs"
+    shutil.rmtree(state / "index")
+    os.unlink(state / "pmem.log")
+    res = run_ckptfs("recover", str(m.source), "-o", f"backing={url}")
+    assert "recovered 6 files" in res.stdout and url in res.stdout, res.stdout
+    m.start()
+    verify(m.path, files)
+    check_clean(fsck_clean, m)
+
+
+def test_mount_with_bad_credentials_fails_with_one_line(make_mount, rgw, bucket, s3_env,
+                                                        monkeypatch):
+    url = f"s3://{bucket}/ckpt"
+    m = make_mount(options=["pmem_size=64M", f"backing={url}"], start=False)
+    cases = [(True, "AWS_SECRET_ACCESS_KEY", "not-the-secret", "SignatureDoesNotMatch"),
+             (False, "AWS_ACCESS_KEY_ID", "AKIANOSUCHKEY0000000", "InvalidAccessKeyId")]
+    for first_mount, var, value, code in cases:
+        if not first_mount:            # the store exists now: a later mount is refused too
+            m.start()
+            m.umount()
+        monkeypatch.setenv(var, value)
+        res = mount_cmd(m)
+        monkeypatch.setenv(var, s3_env[var])
+        assert res.returncode == 1, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and code in lines[0] and url in lines[0], lines
+        assert "rejects the credentials" in lines[0] and value not in lines[0]
+        assert not is_mounted(m.path)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    res = mount_cmd(m)
+    assert res.returncode == 1 and "no usable AWS credentials" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert not is_mounted(m.path)
+    assert objects(rgw, bucket) == ["ckpt/ckptfs-store"]      # nothing else written
+
+
+def test_endpoint_down_at_mount_and_back(make_mount, rgw, bucket, s3_env, fsck_clean,
+                                         monkeypatch):
+    """The gateway is down when an existing store is mounted: the mount goes
+    ahead with one warning; hot data works, cold reads fail with EIO, tiering
+    fails and says why; once the gateway is back, the same mount reads the
+    cold data and tiers again."""
+    url = f"s3://{bucket}/ckpt"
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")        # the AWS way to retry less
+    m = make_mount(options=["pmem_size=128M", f"backing={url}"])
+    cold = write_version(m.path, 1, size=1 * MiB)
+    tier_now(m, "--all")
+    m.umount()
+    rgw.stop_gateway()
+    try:
+        res = mount_cmd(m)
+        assert res.returncode == 0, res.stderr
+        m.pid = m.stat()["pid"]
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ckptfs: warning: ") and url in lines[0]
+        assert f"cannot reach {rgw.endpoint_url}" in lines[0] and "mounted anyway" in lines[0]
+        hot = {"hot.bin": pattern(MiB, 7)}
+        write_file(m.path / "hot.bin", hot["hot.bin"])
+        verify(m.path, hot)
+        with pytest.raises(OSError) as info:
+            read_file(m.path / "step_1/model.bin")
+        assert info.value.errno == errno.EIO
+        res = run_ckptfs("tier", str(m.path), "--now", "--all", check=False, timeout=300)
+        assert res.returncode == 1 and "cannot reach" in res.stderr, res.stderr
+        assert "cannot reach" in (m.stat()["tier_last_error"] or "")
+    finally:
+        rgw.start_gateway()
+    verify(m.path, cold)
+    tier_now(m, "--all")
+    verify(m.path, hot)
+    check_clean(fsck_clean, m)
+
+
+def test_gc_aborts_stale_multipart_uploads(make_mount, rgw, bucket, s3_env, fsck_clean):
+    """A pack upload interrupted for good (a crash, a timeout whose abort was
+    lost) is invisible; `ckptfs gc` aborts it; another store's upload in the
+    same bucket is left alone."""
+    url = f"s3://{bucket}/ckpt"
+    m = make_mount(options=["pmem_size=64M", f"backing={url}"])
+    write_file(m.path / "f", pattern(MiB))
+    admin = s3_client(rgw)
+    stale = admin.create_multipart_upload(Bucket=bucket, Key="ckpt/packs/00/00000000000000ff.pack")
+    admin.upload_part(Bucket=bucket, Key="ckpt/packs/00/00000000000000ff.pack",
+                      UploadId=stale["UploadId"], PartNumber=1, Body=b"half a pack")
+    other = admin.create_multipart_upload(Bucket=bucket, Key="ckpt2/packs/00/1.pack")
+    res = run_ckptfs("gc", str(m.path))
+    assert "1 temporary files" in res.stdout, res.stdout
+    left = admin.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    assert [u["UploadId"] for u in left] == [other["UploadId"]]
+    admin.abort_multipart_upload(Bucket=bucket, Key="ckpt2/packs/00/1.pack",
+                                 UploadId=other["UploadId"])
+    check_clean(fsck_clean, m)
+
+
+def test_failed_first_mount_leaves_the_bucket_as_it_was(make_mount, rgw, bucket, s3_env):
+    """A first mount that fails after it created the S3 store (here: its
+    metrics port is taken) deletes the marker it wrote; the next first mount
+    makes the store again."""
+    url = f"s3://{bucket}/ckpt"
+    m = make_mount(options=["pmem_size=64M", f"backing={url}"], start=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        res = mount_cmd(m, f"metrics_port={taken.getsockname()[1]}")
+    assert res.returncode == 1 and "metrics" in res.stderr, res.stderr
+    assert not is_mounted(m.path)
+    assert objects(rgw, bucket) == []
+    m.start()
+    write_file(m.path / "f", b"after")
+    assert objects(rgw, bucket) == ["ckpt/ckptfs-store"]

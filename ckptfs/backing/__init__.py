@@ -17,7 +17,7 @@ from .base import MARKER_NAME, Backend, BlobWriter, UuidLike, validate_name
 from .local import LocalBackend
 
 __all__ = ["Backend", "BlobWriter", "LocalBackend", "MARKER_NAME", "SCHEMES", "check_location",
-           "open_backend", "validate_name"]
+           "is_url", "open_backend", "validate_name"]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -31,10 +31,22 @@ def _file_location(location: str) -> str:
     return path
 
 
+def _s3_location(location: str) -> str:
+    """s3://BUCKET/PREFIX/ -> s3://BUCKET/PREFIX (checked; botocore not imported)."""
+    from .s3 import SCHEME, parse_url
+    bucket, prefix = parse_url(SCHEME + location.split("://", 1)[1])
+    return f"{SCHEME}{bucket}/{prefix}" if prefix else f"{SCHEME}{bucket}"
+
+
 # The url schemes a backing store location may use: scheme -> a function that
 # checks a location of that scheme (UsageError with one line) and returns it
 # in the form the daemon uses. A new backend registers its scheme here.
-SCHEMES: dict[str, Callable[[str], str]] = {"file": _file_location}
+SCHEMES: dict[str, Callable[[str], str]] = {"file": _file_location, "s3": _s3_location}
+
+
+def is_url(location: str) -> bool:
+    """A location (as check_location returns it) that is not a directory path."""
+    return bool(_URL.match(location))
 
 
 def check_location(location: str) -> str:
@@ -59,20 +71,23 @@ def check_location(location: str) -> str:
 
 
 def open_backend(location: str, store_uuid: Optional[UuidLike] = None, *,
-                 create: bool = False, **kw) -> Backend:
+                 create: bool = False, must_exist: bool = False, **kw) -> Backend:
     """The backend at `location`: a directory path, a "file://" url, or an
-    "s3://BUCKET/PREFIX" url (`kw` goes to `S3Backend`).
+    "s3://BUCKET/PREFIX" url (`kw` goes to `S3Backend`: profile=, timeouts).
 
-    Without `create` no I/O is done (the store may be away at startup; call
-    `check()`); with it the store is created if needed (first use only: see
-    `LocalBackend.create`).
+    Without `create` or `must_exist` no I/O is done (the store may be away at
+    startup; call `check()`); `must_exist` checks its marker (BackingUnavailable
+    if there is none, or it names another store than `store_uuid`); `create`
+    creates the store if needed (first use only: see `LocalBackend.create`).
     """
-    if location[:5].lower() == "s3://":
+    location = check_location(location)
+    if location.startswith("s3://"):
         from .s3 import S3Backend               # botocore only when S3 is used
-        if create:
-            return S3Backend.create(location, store_uuid, **kw)
-        return S3Backend(location, store_uuid, **kw)
-    path = check_location(location)
+        cls = S3Backend
+    else:
+        cls, kw = LocalBackend, {}
     if create:
-        return LocalBackend.create(path, store_uuid)
-    return LocalBackend(path, store_uuid)
+        return cls.create(location, store_uuid, **kw)
+    if must_exist:
+        return cls.open(location, store_uuid, **kw)
+    return cls(location, store_uuid, **kw)

@@ -166,6 +166,11 @@ class Backend(ABC):
     url: str                                   # for messages, e.g. "file:///mnt/cold"
     store_uuid: Optional[uuidlib.UUID] = None  # the store this must be (None: any)
 
+    @property
+    def location(self) -> str:
+        """The store as backing= names it (a url, or a directory path)."""
+        return self.url
+
     @abstractmethod
     def writer(self, name: str) -> BlobWriter:
         """Start a new blob `name`; nothing is visible until its `commit()`."""

@@ -95,6 +95,10 @@ class LocalBackend(Backend):
         self._lock = threading.Lock()
         self._fds: "OrderedDict[str, _CachedFd]" = OrderedDict()
 
+    @property
+    def location(self) -> str:
+        return self.root
+
     # -- opening and creating ------------------------------------------------------
 
     @classmethod

@@ -162,6 +162,7 @@ class S3Backend(Backend):
         self.max_attempts = max_attempts
         self.max_pool_connections = max_pool_connections
         self._session = session
+        self.created = False                     # create() wrote the marker
         self._s3: Any = None
         self._lock = threading.Lock()
         self._known_dirs: set[str] = set()       # name prefixes seen holding blobs
@@ -307,6 +308,7 @@ class S3Backend(Backend):
             new = wanted or uuidlib.uuid4()
             if backend._put_marker(new):
                 backend.store_uuid = new
+                backend.created = True
                 return backend
             found = backend._read_marker()       # another process made it meanwhile
             if found is None:
@@ -317,6 +319,19 @@ class S3Backend(Backend):
                                 f"not {wanted}")
         backend.store_uuid = found
         return backend
+
+    def remove_if_empty(self) -> bool:
+        """Undo `create`: delete the marker of a store that holds nothing else
+        (a first mount that failed after making it), so the prefix is as it
+        was. False, and nothing deleted, if anything else is there."""
+        self._verify_marker()
+        listed = self._call("delete", None, "list_objects_v2", Prefix=self._root, MaxKeys=2)
+        keys = [o["Key"] for o in listed.get("Contents", ())]
+        if keys != [self._key(MARKER_NAME)]:
+            log.warning("%s: not removing the store marker: the store is not empty", self.url)
+            return False
+        self._call("delete", None, "delete_object", Key=self._key(MARKER_NAME))
+        return True
 
     def _put_marker(self, new: uuidlib.UUID) -> bool:
         """Write the marker unless one exists (If-None-Match: *, where the
