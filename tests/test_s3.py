@@ -215,9 +215,9 @@ class SlowDownProxy:
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
                     if self.command != "HEAD":
-                        self.wfile.write(payload)
-                        with proxy._lock:
+                        with proxy._lock:       # counted before the client can see it
                             proxy.bytes_served += len(payload)
+                        self.wfile.write(payload)
                 finally:
                     conn.close()
 
