@@ -40,7 +40,8 @@ def make_builder(root: str) -> FFI:
     ffi.set_source(
         "ckptfs._native",
         '#include "ckptfs_native.h"',
-        sources=[os.path.join(root, "native", "ckptfs_native.c")],
+        sources=[os.path.join(root, "native", name)
+                 for name in ("ckptfs_native.c", "ckptfs_beneath.c")],
         include_dirs=[os.path.join(root, "native")],
         extra_compile_args=EXTRA_COMPILE_ARGS,
     )

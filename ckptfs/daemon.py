@@ -164,14 +164,15 @@ def open_state(opts: MountOptions, attempt: Optional[Attempt] = None) -> State:
             create_index(opts, source_fd, attempt)
         index = Index(opts.index_dir)
         undo.callback(index.close)
-        index.upgrade_format()
+        sources = SourceFiles(source_fd)
+        undo.callback(sources.close)
+        index.upgrade_format(source_identity=sources.identify)
         fs_uuid = index.check_format()
         opts.pmem = log_path(opts, index)
         has_hot_data = ix.has_log_chunks(index)
         plog = open_log(opts, fs_uuid, has_hot_data, attempt)
         undo.callback(plog.close)
         remember_log_path(index, opts)
-        sources = SourceFiles(source_fd)
         backend = open_backing(opts, index, fs_uuid, attempt) if opts.tiering else None
         if backend is not None:
             undo.callback(backend.close)

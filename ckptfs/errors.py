@@ -16,6 +16,7 @@ class CkptfsError(Exception):
     """Base class: something went wrong inside ckptfs."""
 
     errno: int = errno.EIO
+    logged: bool = False        # already logged where it was found: the edge stays quiet
 
 
 class NotFound(CkptfsError):
@@ -99,6 +100,14 @@ class DamagedData(CkptfsError):
     """Stored bytes failed their checksum: never hand them out."""
 
     errno = errno.EIO
+
+
+class SourceRefused(DamagedData):
+    """A pre-existing file below SOURCE is not reached safely or is not the file
+    adopted: never read nor deleted. Logged once where it is found."""
+
+    errno = errno.EIO
+    logged = True
 
 
 class IndexFailure(CkptfsError):

@@ -16,6 +16,7 @@ Exit codes (cli.ExitCode): 0 clean, 3 problems found and all repaired,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -39,6 +40,7 @@ from .namespace import NAME_MAX, STATE_DIR_NAME
 from .options import parse_options
 from .chunker import chunk_id
 from .files import MAX_FILE_BYTES
+from .files import SourceFiles
 from .pmemlog import SUPERBLOCK_BYTES, PmemLog
 
 log = logging.getLogger(__name__)
@@ -486,7 +488,8 @@ class Fsck:
         total = sum(c.length for c in chunks)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="verifying data",
                    disable=not sys.stderr.isatty(), file=sys.stderr)
-        with bar:
+        sources = SourceFiles(self.source_fd)
+        with bar, contextlib.closing(sources):
             for chunk in chunks:
                 try:
                     if chunk.kind == CHUNK_PACK:
@@ -500,8 +503,10 @@ class Fsck:
                         if chunk.chunk_id and chunk_id(buf) != chunk.chunk_id:
                             raise DamagedData("bytes do not match the chunk id")
                     elif chunk.kind == CHUNK_SOURCE:
+                        # Reached and checked as the daemon reaches it: never
+                        # through a symlink, only the file adopted.
                         path = chunk.source_paths[0]
-                        st = os.stat(path, dir_fd=self.source_fd)
+                        st = sources.stat(chunk)
                         if st.st_size < chunk.length:
                             raise DamagedData(f"pre-existing file {path!r} shrank "
                                               f"to {st.st_size} bytes")

@@ -41,7 +41,8 @@ def _errno_edge(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             raise
         except CkptfsError as e:
             if e.errno == errno.EIO:
-                log.error("%s: %s", fn.__name__, e)
+                if not e.logged:
+                    log.error("%s: %s", fn.__name__, e)
                 self.fs.errors_by_kind[type(e).__name__] = \
                     self.fs.errors_by_kind.get(type(e).__name__, 0) + 1
             else:

@@ -54,9 +54,13 @@ order; little-endian in values):
                            param + CRC-32C of the stored payload + chunk id:
                            a cold chunk, compressed in a pack file in the
                            backing store
-              kind SOURCE: path of a file that was in the directory before
-                           it was mounted over (relative to SOURCE); a file
-                           with hard links lists every name, NUL-separated
+              kind SOURCE: a file that was in the directory before it was
+                           mounted over: how its identity was recorded
+                           (SOURCE_FS_*), its st_dev and st_ino at adoption,
+                           then its path relative to SOURCE (a file with hard
+                           links lists every name, NUL-separated). It is read
+                           and deleted only if what that path reaches, with no
+                           symlink on the way, still has that identity
     chunkids  chunk id -> chunk no, for every chunk that has an id: how a
               write finds that its bytes are already stored
     packs     pack no -> live chunks + their stored bytes + the pack's size
@@ -95,7 +99,9 @@ from .errors import DamagedData, FormatError, IndexFailure, NoSpace, ReadOnly
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2      # 1: no chunk ids (upgraded in place by upgrade_format)
+# 1: no chunk ids; 2: SOURCE chunks without the identity of the file adopted
+# (both upgraded in place by upgrade_format).
+FORMAT_VERSION = 3
 ROOT_INO = 1
 FIRST_COOKIE = 16  # cookies 1 and 2 are "." and ".." in readdir
 CRC_BLOCK_BYTES = 64 * 1024
@@ -109,6 +115,11 @@ DB_NAMES = ("meta", "inodes", "dirents", "dirlist", "extents", "chunks", "chunki
 
 CHUNK_ID_BYTES = 32
 MAX_OFF_T = (1 << 63) - 1       # no inode is larger (files.MAX_FILE_BYTES is the real limit)
+# How a SOURCE chunk knows the file adopted (st_dev is not stable across
+# reboots for every device, so the common case is recorded relative to SOURCE).
+SOURCE_FS_UNKNOWN = 0      # not recorded (the upgrade could not reach it safely): never matches
+SOURCE_FS_SAME = 1         # on SOURCE's own filesystem: st_dev must be SOURCE's at mount
+SOURCE_FS_OTHER = 2        # on another filesystem below SOURCE: st_dev as recorded
 NO_CHUNK_ID = bytes(CHUNK_ID_BYTES)
 
 ID_COUNTERS = (b"next_ino", b"next_chunk", b"next_cookie", b"next_pack", b"next_head")
@@ -124,6 +135,7 @@ _CHUNK_HEAD = struct.Struct("<BIQ")
 _LOGLOC = struct.Struct("<Q")
 _PACKLOC = struct.Struct("<QQIBBI")     # pack no, offset, stored length, codec, param, crc
 _PACK = struct.Struct("<QQQ")           # live chunks, live stored bytes, pack size
+_SOURCE_ID = struct.Struct("<BQQ")      # SOURCE_FS_*, st_dev, st_ino
 INODE_STRUCT = struct.Struct("<IIIIQQqqqQQ")
 
 
@@ -199,6 +211,9 @@ class Chunk:
     log_off: int = 0                 # CHUNK_LOG
     crcs: bytes = b""                # CHUNK_LOG: u32 LE per CRC_BLOCK_BYTES block
     source_path: bytes = b""         # CHUNK_SOURCE: its original path(s), NUL-separated
+    source_fs: int = SOURCE_FS_UNKNOWN   # CHUNK_SOURCE: the identity of the file adopted
+    source_dev: int = 0
+    source_ino: int = 0
     chunk_id: bytes = b""            # BLAKE3-256 of the bytes; b"" when not deduplicated
     pack_no: int = 0                 # CHUNK_PACK: where its compressed payload is
     pack_off: int = 0
@@ -220,7 +235,8 @@ class Chunk:
             return head + _PACKLOC.pack(self.pack_no, self.pack_off, self.stored_length,
                                         self.codec, self.codec_param, self.payload_crc) \
                 + self.chunk_id
-        return head + self.source_path
+        return head + _SOURCE_ID.pack(self.source_fs, self.source_dev, self.source_ino) \
+            + self.source_path
 
     @classmethod
     def decode(cls, chunk_no: int, b: bytes) -> "Chunk":
@@ -244,7 +260,9 @@ class Chunk:
                        stored_length=stored, codec=codec, codec_param=param, payload_crc=crc,
                        chunk_id=bytes(rest[_PACKLOC.size:]))
         if kind == CHUNK_SOURCE:
-            return cls(chunk_no, kind, refcount, length, source_path=bytes(rest))
+            fs, dev, ino = _SOURCE_ID.unpack_from(rest)
+            return cls(chunk_no, kind, refcount, length, source_fs=fs, source_dev=dev,
+                       source_ino=ino, source_path=bytes(rest[_SOURCE_ID.size:]))
         raise FormatError(f"chunk {chunk_no}: unknown kind {kind}")
 
 
@@ -320,9 +338,9 @@ class Index:
     def check_format(self) -> bytes:
         """Return the filesystem uuid; refuse an index of another format."""
         version = self.format_version()
-        if version == 1:
-            raise FormatError(f"{self.path} holds a format 1 index: mount it once with this "
-                              "ckptfs to upgrade it (fsck does not change formats)")
+        if version < FORMAT_VERSION:
+            raise FormatError(f"{self.path} holds a format {version} index: mount it once with "
+                              "this ckptfs to upgrade it (fsck does not change formats)")
         if version != FORMAT_VERSION:
             raise FormatError(f"index format {version} is not supported (expected {FORMAT_VERSION})")
         return self.get("meta", b"uuid") or b""
@@ -333,37 +351,48 @@ class Index:
             raise FormatError(f"{self.path} holds no ckptfs index")
         return struct.unpack("<I", raw)[0]
 
-    def upgrade_format(self) -> bool:
+    def upgrade_format(self, source_identity: Optional[Callable[[list[bytes]],
+                                                                tuple[int, int, int]]] = None
+                       ) -> bool:
         """Bring an older index to FORMAT_VERSION in one transaction. May block.
 
         Format 1 had no chunk ids and no chunk totals: every LOG chunk gets an
         all-zero id (stored without dedup, never a dedup target) and the
-        totals are counted. Returns whether anything changed.
+        totals are counted. Format 2 did not record which file a SOURCE chunk
+        adopted: source_identity(paths) gives (SOURCE_FS_*, st_dev, st_ino) of
+        what the paths reach now, safely (files.SourceFiles.identify); without
+        it, or when it raises OSError, the chunk's identity stays unknown and
+        its reads give EIO (logged). Returns whether anything changed.
         """
-        if self.format_version() != 1:
+        version = self.format_version()
+        if version >= FORMAT_VERSION:
             return False
-        # Format 1 predates tiering too: no packs, no pack counters (they read as 0).
+        unknown = []
 
         def upgrade(txn: "DirectTxn") -> None:
-            totals = dict.fromkeys(STAT_COUNTERS, 0)
+            if version == 1:
+                _upgrade_chunk_ids(txn)
             for k, raw in list(txn.items("chunks", u64(0), u64((1 << 64) - 1))):
                 kind, refcount, length = _CHUNK_HEAD.unpack_from(raw)
-                rest = raw[_CHUNK_HEAD.size:]
-                if kind == CHUNK_LOG:
-                    chunk = Chunk(read_u64(k), kind, refcount, length,
-                                  log_off=_LOGLOC.unpack_from(rest)[0],
-                                  crcs=bytes(rest[_LOGLOC.size:]))
-                    txn.put("chunks", k, chunk.encode())
-                    totals[b"stored_log_bytes"] += length
-                else:
-                    totals[b"stored_source_bytes"] += length
-                totals[b"chunks"] += 1
-            for name, value in totals.items():
-                txn.put("meta", name, _LOGLOC.pack(value))
+                if kind != CHUNK_SOURCE:
+                    continue
+                paths = bytes(raw[_CHUNK_HEAD.size:])
+                chunk = Chunk(read_u64(k), kind, refcount, length, source_path=paths)
+                try:
+                    if source_identity is None:
+                        raise OSError("no SOURCE directory to look in")
+                    chunk.source_fs, chunk.source_dev, chunk.source_ino = \
+                        source_identity(chunk.source_paths)
+                except OSError as e:
+                    unknown.append(f"{paths.split(bytes(1))[0]!r} ({e})")
+                txn.put("chunks", k, chunk.encode())
             txn.put("meta", b"format", struct.pack("<I", FORMAT_VERSION))
 
         self.write_direct(upgrade)
-        log.info("upgraded index %s from format 1 to %d", self.path, FORMAT_VERSION)
+        log.info("upgraded index %s from format %d to %d", self.path, version, FORMAT_VERSION)
+        for what in unknown:
+            log.warning("pre-existing file %s could not be identified at the upgrade (a "
+                        "symlink on its path, or gone): its reads give EIO", what)
         return True
 
     def _load_counters(self) -> None:
@@ -791,7 +820,9 @@ def chunk_record_problem(chunk: Chunk) -> Optional[str]:
     pack payload is never longer than its chunk (the codecs store raw what
     does not shrink); a LOG record has one CRC per CRC_BLOCK_BYTES block."""
     if chunk.kind == CHUNK_SOURCE:
-        return None
+        if chunk.source_fs not in (SOURCE_FS_UNKNOWN, SOURCE_FS_SAME, SOURCE_FS_OTHER):
+            return f"unknown kind {chunk.source_fs} of pre-existing file identity"
+        return None if chunk.source_path else "no original path"
     if chunk.kind not in (CHUNK_LOG, CHUNK_PACK):
         return f"unknown kind {chunk.kind}"
     if chunk.length > MAX_CHUNK_BYTES:
@@ -949,6 +980,25 @@ def iter_extents(kv: "Index", ino: int, start: int = 0, end: int = 1 << 63) -> I
         if e.file_off >= end:
             return
         yield e
+
+
+def _upgrade_chunk_ids(txn: "DirectTxn") -> None:
+    """Format 1 -> 2: LOG chunks get an all-zero id; the chunk totals are counted.
+    Format 1 predates tiering too: no packs, no pack counters (they read as 0)."""
+    totals = dict.fromkeys(STAT_COUNTERS, 0)
+    for k, raw in list(txn.items("chunks", u64(0), u64((1 << 64) - 1))):
+        kind, refcount, length = _CHUNK_HEAD.unpack_from(raw)
+        rest = raw[_CHUNK_HEAD.size:]
+        if kind == CHUNK_LOG:
+            chunk = Chunk(read_u64(k), kind, refcount, length,
+                          log_off=_LOGLOC.unpack_from(rest)[0], crcs=bytes(rest[_LOGLOC.size:]))
+            txn.put("chunks", k, chunk.encode())
+            totals[b"stored_log_bytes"] += length
+        else:
+            totals[b"stored_source_bytes"] += length
+        totals[b"chunks"] += 1
+    for name, value in totals.items():
+        txn.put("meta", name, _LOGLOC.pack(value))
 
 
 def has_log_chunks(kv) -> bool:

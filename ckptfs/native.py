@@ -39,6 +39,7 @@ __all__ = [
     "GearScanner",
     "gear_cut_points",
     "find4",
+    "open_beneath",
 ]
 
 # Linux values; Python's mmap module does not export them before 3.13/3.14.
@@ -203,6 +204,23 @@ def gear_cut_points(data: Buffer, min_size: int, avg_size: int, max_size: int) -
     if scanner.pending:
         cuts.append(memoryview(data).nbytes)
     return cuts
+
+
+def open_beneath(dir_fd: int, path: bytes, flags: int, *, walk: bool = False) -> int:
+    """Open ``path`` (relative, plain names) beneath the directory ``dir_fd``
+    without following a symlink at any component; returns the new fd.
+
+    openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), or a component walk with
+    O_NOFOLLOW | O_DIRECTORY when ``walk`` is set or the kernel has no openat2.
+    O_NOFOLLOW and O_CLOEXEC are always added. Raises OSError: ELOOP or
+    ENOTDIR where a symlink is met, EINVAL for an absolute path or one with an
+    empty, "." or ".." component, and whatever the lookup itself answers.
+    May block (a lookup on a slow filesystem).
+    """
+    fd = lib.ckptfs_open_beneath(dir_fd, bytes(path), flags, 1 if walk else 0)
+    if fd < 0:
+        raise OSError(-fd, os.strerror(-fd), path)
+    return fd
 
 
 def find4(data: Buffer, needle: bytes, start: int = 0, end: int | None = None) -> int:

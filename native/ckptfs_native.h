@@ -133,4 +133,17 @@ int ckptfs_fc_decode(const void *payload, size_t plen, unsigned width,
 size_t ckptfs_rans8_encode(const void *src, size_t n, void *out, size_t cap);
 int ckptfs_rans8_decode(const void *in, size_t in_len, void *dst, size_t n);
 
+/* ---- reaching pre-existing files below SOURCE (ckptfs/files.py) ---------
+ *
+ * Open path (relative, plain names: no leading '/', no empty, "." or ".."
+ * component) beneath the directory dirfd without following a symlink at any
+ * component, the last one included: openat2(RESOLVE_BENEATH |
+ * RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS), or, with walk != 0 or on a
+ * kernel without openat2 (ENOSYS, before 5.6), one openat per component with
+ * O_PATH | O_DIRECTORY | O_NOFOLLOW and the last with flags | O_NOFOLLOW (a
+ * symlink opened by O_PATH is refused). O_NOFOLLOW and O_CLOEXEC are always
+ * added. Returns the fd, or -errno: EINVAL for a path that is not plain,
+ * ELOOP or ENOTDIR where a symlink is met, ENOENT, EACCES, ... */
+int ckptfs_open_beneath(int dirfd, const char *path, int flags, int walk);
+
 #endif

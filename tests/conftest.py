@@ -114,14 +114,19 @@ class Mount:
 
 @pytest.fixture
 def make_mount(tmp_path):
-    """Factory: make_mount(options=[...], over_itself=True) -> started Mount."""
+    """Factory: make_mount(options=[...], over_itself=True, source=None,
+    mountpoint=None) -> started Mount."""
     mounts: list[Mount] = []
 
     def factory(options: Optional[list[str]] = None, over_itself: bool = True,
-                source: Optional[Path] = None, start: bool = True) -> Mount:
+                source: Optional[Path] = None, start: bool = True,
+                mountpoint: Optional[Path] = None) -> Mount:
         src = source or tmp_path / f"ckpt{len(mounts)}"
         src.mkdir(exist_ok=True)
-        if over_itself:
+        if mountpoint is not None:
+            mnt = mountpoint
+            mnt.mkdir(exist_ok=True)
+        elif over_itself:
             mnt = src
         else:
             mnt = tmp_path / f"mnt{len(mounts)}"

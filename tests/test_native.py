@@ -354,3 +354,52 @@ def _timed(fn: object) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+# ---- open_beneath: reaching files below SOURCE -----------------------------------
+
+@pytest.mark.parametrize("walk", [False, True], ids=["openat2", "component-walk"])
+def test_open_beneath_never_follows_a_symlink(tmp_path, walk):
+    """Both ways (openat2, and the walk for kernels without it) open plain paths
+    beneath the directory and refuse a symlink at any component, '..', '.',
+    empty components and absolute paths."""
+    import errno as e
+    from ckptfs.native import open_beneath
+    base = tmp_path / "base"
+    (base / "a" / "b").mkdir(parents=True)
+    (base / "a" / "b" / "f").write_bytes(b"inside")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "f").write_bytes(b"outside")
+    os.symlink(outside, base / "a" / "to_outside")      # directory symlink, absolute
+    os.symlink("b", base / "a" / "to_b")                # directory symlink, relative, inside
+    os.symlink("f", base / "a" / "b" / "to_f")          # file symlink, inside
+    os.symlink(outside / "f", base / "to_outside_f")    # file symlink to outside
+    dfd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for flags in (os.O_RDONLY, os.O_PATH):
+            fd = open_beneath(dfd, b"a/b/f", flags, walk=walk)
+            try:
+                st = os.fstat(fd)
+                assert (st.st_dev, st.st_ino) == (os.stat(base / "a" / "b" / "f").st_dev,
+                                                  os.stat(base / "a" / "b" / "f").st_ino)
+                if flags == os.O_RDONLY:
+                    assert os.read(fd, 100) == b"inside"
+            finally:
+                os.close(fd)
+            fd = open_beneath(dfd, b"a/b", flags | os.O_DIRECTORY, walk=walk)
+            os.close(fd)
+            for path in (b"a/to_outside/f", b"a/to_b/f", b"a/b/to_f", b"to_outside_f",
+                         b"a/to_outside"):
+                with pytest.raises(OSError) as info:
+                    os.close(open_beneath(dfd, path, flags, walk=walk))
+                assert info.value.errno in (e.ELOOP, e.ENOTDIR), (path, info.value)
+            for path in (b"../outside/f", b"a/../a/b/f", b"./a/b/f", b"a//b/f", b"/etc/passwd",
+                         b"", b"a/b/"):
+                with pytest.raises(OSError) as info:
+                    os.close(open_beneath(dfd, path, flags, walk=walk))
+                assert info.value.errno == e.EINVAL, path
+            with pytest.raises(FileNotFoundError):
+                open_beneath(dfd, b"a/nope", flags, walk=walk)
+    finally:
+        os.close(dfd)

@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import struct
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, is_mounted
-from posix_helpers import as_user, unused_uid
+from posix_helpers import as_user, check_clean, unused_uid
 
 from ckptfs import control
 
@@ -157,7 +158,10 @@ def world_dir():
     path = Path(tempfile.mkdtemp(prefix="ckptfs-sec-", dir="/tmp"))
     os.chmod(path, 0o755)
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with open("/proc/self/mountinfo") as f:
+        busy = any(line.split()[4].startswith(str(path)) for line in f)
+    if not busy:                # (a mount's own fixture unmounts it first)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # Run by Debian's own python as a plain non-root user (no capabilities): each
@@ -207,7 +211,7 @@ print(json.dumps(res))
 '''
 
 
-def test_non_root_user_cannot_set_system_xattrs_nor_flood_an_inode(make_mount, world_dir):
+def test_non_root_user_cannot_set_system_xattrs_nor_flood_an_inode(world_dir, make_mount):
     """A non-root user of an allow_other mount: system.* names other than the
     POSIX ACLs are refused as ext4 refuses them (EOPNOTSUPP), ACLs only by the
     file's owner (EPERM otherwise; the access ACL would chmod root's file), and
@@ -288,3 +292,167 @@ def test_acl_owner_rule_in_the_namespace(tmp_path):
                 ns.getxattr(ino, b"system.nfs4_acl")
     finally:
         index.close()
+
+
+# ------------------------------------------------ adopted originals below SOURCE
+
+SECRET_ATIME_NS = 946_684_800_000_000_000        # 2000-01-01: any read would move it
+
+
+def _adoption_tree(world: Path) -> tuple[Path, Path]:
+    """SOURCE with a directory a user owns (files it adopted there) and, beside
+    it, a directory only root may read. Returns (source, secret)."""
+    src = world / "src"
+    shared = src / "shared"
+    (shared / "victim_dir" / "sub").mkdir(parents=True)
+    (shared / "victim_dir" / "f1").write_bytes(b"user data 1")
+    (shared / "victim_dir" / "sub" / "f2").write_bytes(b"user data 2")
+    (shared / "file.bin").write_bytes(b"user file")
+    (shared / "other.bin").write_bytes(b"user other")
+    for p in [shared] + list(shared.rglob("*")):
+        os.chown(p, NOBODY, NOBODY, follow_symlinks=False)
+    (src / "rootfile").write_bytes(b"root's own, adopted")
+    secret = world / "secret"
+    (secret / "sub").mkdir(parents=True)
+    os.chmod(secret, 0o700)
+    for rel, data in (("f1", b"TOP SECRET 1"), ("sub/f2", b"TOP SECRET 2"),
+                      ("secret_file", b"TOP SECRET FILE")):
+        (secret / rel).write_bytes(data)
+        os.chmod(secret / rel, 0o600)
+        os.utime(secret / rel, ns=(SECRET_ATIME_NS, os.stat(secret / rel).st_mtime_ns))
+    return src, secret
+
+
+def _swap_for_symlinks(src: Path, secret: Path, replace_other: bool = True) -> None:
+    """What the user does in the directory it owns: adopted directory and files
+    replaced by symlinks into the root-only directory, another file by its own."""
+    script = (f"cd {src}/shared && mv victim_dir old_dir && ln -s {secret} victim_dir && "
+              f"mv file.bin file.old && ln -s {secret}/secret_file file.bin")
+    if replace_other:
+        script += " && printf evil > other.new && mv other.new other.bin"
+    res = as_user(NOBODY, ["/bin/sh", "-c", script])
+    assert res.returncode == 0, res.stderr
+
+
+def _read_as_user(path: Path) -> subprocess.CompletedProcess:
+    return as_user(NOBODY, ["/bin/cat", str(path)])
+
+
+def _secret_untouched(secret: Path) -> None:
+    """Neither read (its atime would have moved) nor deleted nor changed."""
+    for rel, data in (("f1", b"TOP SECRET 1"), ("sub/f2", b"TOP SECRET 2"),
+                      ("secret_file", b"TOP SECRET FILE")):
+        assert (secret / rel).exists(), f"{rel} was deleted"
+        assert os.stat(secret / rel).st_atime_ns == SECRET_ATIME_NS, f"{rel} was read"
+        assert (secret / rel).read_bytes() == data, f"{rel} was changed"
+
+
+SWAPPED = ("shared/victim_dir/f1", "shared/victim_dir/sub/f2", "shared/file.bin",
+           "shared/other.bin")
+
+
+def _expect_refused(mnt: Path, swapped=SWAPPED) -> None:
+    for rel in swapped:
+        for _ in range(2):
+            res = _read_as_user(mnt / rel)
+            assert b"TOP SECRET" not in res.stdout.encode() and "evil" not in res.stdout, \
+                f"{rel}: {res.stdout!r}"
+            assert res.returncode != 0 and "Input/output error" in res.stderr, (rel, res)
+    assert (mnt / "rootfile").read_bytes() == b"root's own, adopted"
+
+
+def _refusals_logged_once(log_text: str, swapped=SWAPPED) -> None:
+    for rel in swapped:
+        lines = [line for line in log_text.splitlines()
+                 if repr(rel.encode()) in line and "its reads give EIO" in line]
+        assert len(lines) == 1, (rel, lines)
+
+
+def test_adopted_originals_swapped_for_symlinks_while_mounted(world_dir, make_mount, fsck_clean):
+    """Mounted elsewhere with allow_other, SOURCE stays reachable: the user swaps
+    an adopted directory (and files) for symlinks into a root-only directory,
+    reads them through the mount, and root then runs rm -rf through the mount.
+    Nothing of the root-only directory is read or deleted."""
+    src, secret = _adoption_tree(world_dir)
+    m = make_mount(source=src, mountpoint=world_dir / "mnt",
+                   options=["pmem_size=64M", "allow_other"])
+    os.chmod(world_dir / "mnt", 0o755)
+    _swap_for_symlinks(src, secret)
+    _expect_refused(m.path)
+    res = subprocess.run(["rm", "-rf", str(m.path / "shared")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    m.umount()
+    _secret_untouched(secret)
+    log_text = (src / ".ckptfs" / "daemon.log").read_text()
+    _refusals_logged_once(log_text)
+    assert "did not remove pre-existing file b'shared/victim_dir/f1'" in log_text
+    # The user's own files it moved aside are its own business: still there.
+    assert (src / "shared" / "old_dir" / "f1").read_bytes() == b"user data 1"
+    check_clean(fsck_clean, m)
+
+
+def test_adopted_originals_swapped_while_unmounted(world_dir, make_mount, fsck_clean):
+    """Unmounted, the user swaps an adopted directory for a symlink to a root-only
+    directory; root mounts again (over SOURCE) and runs rm -rf through the mount."""
+    src, secret = _adoption_tree(world_dir)
+    m = make_mount(source=src, options=["pmem_size=64M", "allow_other"])
+    assert (m.path / "shared" / "victim_dir" / "f1").read_bytes() == b"user data 1"
+    m.umount()
+    _swap_for_symlinks(src, secret)
+    m.start()
+    _expect_refused(m.path)
+    res = subprocess.run(["rm", "-rf", str(m.path / "shared")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    m.umount()
+    _secret_untouched(secret)
+    _refusals_logged_once((src / ".ckptfs" / "daemon.log").read_text())
+    check_clean(fsck_clean, m)
+
+
+def test_upgrade_records_what_it_reaches_safely(world_dir, make_mount, fsck_clean):
+    """An index of format 2 has no identity for its adopted files: the mount that
+    upgrades it records each one through the same safe walk. Files swapped for
+    symlinks before that stay unidentified: EIO, one log line, never deleted."""
+    from ckptfs import index as ix
+    from ckptfs.index import Index
+    src, secret = _adoption_tree(world_dir)
+    m = make_mount(source=src, options=["pmem_size=64M", "allow_other"])
+    m.umount()
+    index = Index(str(src / ".ckptfs" / "index"))
+
+    def to_format_2(txn):
+        """What format 2 wrote: a SOURCE chunk is its head and its paths."""
+        for k, raw in list(txn.items("chunks", ix.u64(0), ix.u64((1 << 64) - 1))):
+            chunk = ix.Chunk.decode(ix.read_u64(k), raw)
+            if chunk.kind == ix.CHUNK_SOURCE:
+                txn.put("chunks", k, struct.pack("<BIQ", chunk.kind, chunk.refcount,
+                                                 chunk.length) + chunk.source_path)
+        txn.put("meta", b"format", struct.pack("<I", 2))
+
+    try:
+        index.write_direct(to_format_2)
+    finally:
+        index.close()
+    res = m.fsck()
+    assert res.returncode != 0 and "format 2" in res.stdout + res.stderr, res
+    swapped = SWAPPED[:3]
+    _swap_for_symlinks(src, secret, replace_other=False)
+    m.start()
+    _expect_refused(m.path, swapped)
+    assert (m.path / "shared" / "other.bin").read_bytes() == b"user other"
+    res = subprocess.run(["rm", "-rf", str(m.path / "shared")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    m.umount()
+    _secret_untouched(secret)
+    log_text = (src / ".ckptfs" / "daemon.log").read_text()
+    assert "upgraded index" in log_text and "from format 2 to 3" in log_text
+    for rel in swapped:
+        assert sum(repr(rel.encode()) in line and "could not be identified" in line
+                   for line in log_text.splitlines()) == 1, rel
+    assert not (src / "shared" / "other.bin").exists()     # identified, so deleted with it
+    index = Index(str(src / ".ckptfs" / "index"))
+    try:
+        assert index.format_version() == ix.FORMAT_VERSION == 3
+    finally:
+        index.close()
+    check_clean(fsck_clean, m)
