@@ -244,7 +244,10 @@ class CkptfsOperations(pyfuse3.Operations):
         if name == ACL_ACCESS:
             # It changed the mode: the kernel would go on showing (and checking)
             # the cached one. Attributes only, so no writeback to wait for.
-            pyfuse3.invalidate_inode(inode, attr_only=True)
+            try:
+                pyfuse3.invalidate_inode(inode, attr_only=True)
+            except OSError as e:        # not cached by the kernel: nothing stale
+                log.debug("invalidate_inode(%d): %s", inode, e)
 
     @_errno_edge
     async def listxattr(self, inode, ctx):
