@@ -32,11 +32,14 @@ class ExitCode(enum.IntEnum):
     FSCK_UNCORRECTED = 4     # fsck found problems it left (or could not) repair
 
 
-MOUNT_USAGE = """usage: mount.ckptfs SOURCE MOUNTPOINT [-o OPT[,OPT...]] [-f] [-n] [-s] [-v]
+MOUNT_DESCRIPTION = """Mount ckptfs with its state in SOURCE/.ckptfs (SOURCE may equal MOUNTPOINT:
+mount over the checkpoint directory itself). Returns once the mount is live."""
 
-Mount ckptfs with its state in SOURCE/.ckptfs (SOURCE may equal MOUNTPOINT:
-mount over the checkpoint directory itself). Returns once the mount is live.
-  -f   stay in the foreground (log to stderr)
+MOUNT_USAGE = f"""usage: mount.ckptfs SOURCE MOUNTPOINT [-o OPT[,OPT...]] [-f] [-n] [-s] [-v]
+
+{MOUNT_DESCRIPTION}
+  -o OPT[,OPT...]       mount options (below); may be given more than once
+  -f                    stay in the foreground (log to stderr)
   -n, -s, -v, -t TYPE   accepted for mount(8) compatibility
 """
 
@@ -103,12 +106,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("mount", help="mount SOURCE on MOUNTPOINT (same as mount.ckptfs)",
-                       description=MOUNT_USAGE + "\n" + options_help(),
+                       description=MOUNT_DESCRIPTION, epilog=options_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source")
-    p.add_argument("mountpoint")
-    p.add_argument("-o", dest="options", action="append", default=[])
-    p.add_argument("-f", dest="foreground", action="store_true")
+    p.add_argument("source", metavar="SOURCE", help="the checkpoint directory; its state "
+                                                    "goes to SOURCE/.ckptfs")
+    p.add_argument("mountpoint", metavar="MOUNTPOINT", help="where to mount (may be SOURCE)")
+    p.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT...]",
+                   help="mount options (below); may be given more than once")
+    p.add_argument("-f", dest="foreground", action="store_true",
+                   help="stay in the foreground (log to stderr)")
 
     p = sub.add_parser("umount", help="unmount and wait until the daemon has committed and exited")
     p.add_argument("mountpoint")

@@ -12,9 +12,14 @@ is hidden below the mount when ckptfs is mounted over its own source. Only
 the mount's owner may connect (0600), and both the daemon and its clients
 refuse a directory another user could control (`private_socket_dir`).
 
-Ops: "stat" (the numbers `ckptfs stat` prints), "sync" (commit everything,
-wait until durable), "ping", "data_ranges" (where a file holds data, by inode
-number: `ckptfs export` keeps holes with it).
+Ops (the daemon's handlers, `daemon._control_handlers`):
+    "stat"         the numbers `ckptfs stat` prints
+    "sync"         commit everything, wait until durable (`ckptfs sync`)
+    "ping"         the daemon's pid (`ckptfs umount` waits for it to exit)
+    "tier"         start a tiering pass now, "all": true for every file (`ckptfs tier --now`)
+    "tier_status"  progress of that pass (`ckptfs tier` follows it)
+    "gc"           delete what nothing names from the backing store (`ckptfs gc`)
+    "data_ranges"  where a file holds data, by inode number (`ckptfs export` keeps holes)
 """
 
 from __future__ import annotations

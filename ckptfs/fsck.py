@@ -11,7 +11,8 @@ log while the index names hot chunks, or an unreachable backing store while
 it names cold ones, is a finding ("not checked: ...") and exit 4.
 
 Exit codes (cli.ExitCode): 0 clean, 3 problems found and all repaired,
-4 problems left, 1 fsck could not run (e.g. the filesystem is mounted).
+4 problems left, 1 fsck could not run (the filesystem is mounted, SOURCE holds no
+ckptfs, the index cannot be opened).
 """
 
 from __future__ import annotations
@@ -650,7 +651,7 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
     for _, point, mounted_source in ckptfs_mounts():
         if mounted_source == os.path.realpath(opts.source):
             raise OperationFailed(f"{opts.source} is mounted on {point}: unmount it first "
-                             "(fsck checks an unmounted ckptfs)")
+                                  "(fsck checks an unmounted ckptfs)")
     if not os.path.isdir(opts.index_dir):
         raise OperationFailed(f"{opts.source} holds no ckptfs (no {opts.index_dir})")
     lock_fd = lock_source(opts.state_dir)     # refuses while mounted

@@ -358,6 +358,13 @@ def test_mount_help_lists_every_option():
         assert name in res.stdout
 
 
+def test_ckptfs_mount_help_is_one_usage_that_describes_every_flag():
+    out = run_ckptfs("mount", "--help").stdout
+    assert out.count("usage:") == 1, out
+    for flag in ("-o OPT[,OPT...]", "-f"):
+        assert re.search(rf"^  {re.escape(flag)}\s+\S", out, re.M), f"{flag} undescribed:\n{out}"
+
+
 # ------------------------------------------------------------------ unmounting
 
 def test_ckptfs_umount_waits_for_daemon(mounted):
@@ -441,6 +448,16 @@ def test_stat_json(mounted):
     assert 0 < s["dedup_ratio"] <= 100
     human = run_ckptfs("stat", str(mounted.path))
     assert str(mounted.pid) in human.stdout
+
+
+def test_stat_json_fields_are_documented(make_mount):
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("`ckptfs stat --json` prints")
+    table = readme[start:readme.index("\n\n", readme.index("| field |", start))]
+    documented = set(re.findall(r"`([a-z_0-9]+)`", table))
+    for options in (["pmem_size=64M"], ["pmem_size=64M", "tiering=off"]):
+        missing = set(make_mount(options=options).stat()) - documented
+        assert not missing, f"stat --json fields the README does not name: {sorted(missing)}"
 
 
 def test_stat_not_mounted(tmp_path):
