@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import fcntl
 import logging
 import os
@@ -137,7 +138,8 @@ class Attempt:
         except FileNotFoundError:
             pass
         except OSError as e:
-            log.warning("left %s after the failed mount: %s", path, e.strerror)
+            if e.errno != errno.ENOTEMPTY:      # a directory now holds what others made
+                log.warning("left %s after the failed mount: %s", path, e.strerror)
 
 
 def open_state(opts: MountOptions, attempt: Optional[Attempt] = None) -> State:
