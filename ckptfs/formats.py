@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from ckptfs import native
 
@@ -47,6 +47,8 @@ __all__ = [
     "safetensors_boundaries",
     "torch_zip_boundaries",
     "ZipBoundaries",
+    "TensorBundleEntry",
+    "tf_bundle_index",
     "FormatHints",
 ]
 
@@ -349,6 +351,114 @@ def torch_zip_boundaries(prefix: Buffer) -> Optional[list[int]]:
     if bytes(view[:4]) != _LOCAL:
         return None
     return ZipBoundaries().feed(view)
+
+
+# ---- TensorFlow tensor bundle (tf.train.Checkpoint) ---------------------------------
+
+_SSTABLE_MAGIC = 0xDB4775248B80FB57
+_SSTABLE_FOOTER = 48
+
+
+class TensorBundleEntry(NamedTuple):
+    """One tensor of a TensorFlow checkpoint: where its bytes are."""
+
+    key: str
+    shard: int          # the NNNNN of `<prefix>.data-NNNNN-of-MMMMM`
+    offset: int
+    size: int
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _sstable_block(data: bytes, offset: int, size: int) -> list[tuple[bytes, bytes]]:
+    """The (key, value) entries of one uncompressed leveldb-format table block."""
+    if offset + size + 5 > len(data):
+        raise ValueError("block beyond the end of the table")
+    if data[offset + size] != 0:
+        raise ValueError("compressed table block")      # TensorFlow writes none
+    block = data[offset:offset + size]
+    (restarts,) = struct.unpack_from("<I", block, len(block) - 4)
+    end = len(block) - 4 - 4 * restarts
+    if end < 0:
+        raise ValueError("bad restart array")
+    out, pos, key = [], 0, b""
+    while pos < end:
+        shared, pos = _varint(block, pos)
+        unshared, pos = _varint(block, pos)
+        vlen, pos = _varint(block, pos)
+        if shared > len(key) or pos + unshared + vlen > end:
+            raise ValueError("bad block entry")
+        key = key[:shared] + block[pos:pos + unshared]
+        pos += unshared
+        out.append((key, block[pos:pos + vlen]))
+        pos += vlen
+    return out
+
+
+def _bundle_entry(value: bytes) -> tuple[int, int, int]:
+    """(shard_id, offset, size) of a BundleEntryProto (fields 3, 4, 5)."""
+    fields = {3: 0, 4: 0, 5: 0}
+    pos = 0
+    while pos < len(value):
+        tag, pos = _varint(value, pos)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            v, pos = _varint(value, pos)
+            if number in fields:
+                fields[number] = v
+        elif wire == 2:
+            n, pos = _varint(value, pos)
+            pos += n
+        elif wire == 5:
+            pos += 4
+        elif wire == 1:
+            pos += 8
+        else:
+            raise ValueError(f"wire type {wire} in a BundleEntryProto")
+    if pos != len(value):
+        raise ValueError("truncated BundleEntryProto")
+    return fields[3], fields[4], fields[5]
+
+
+def tf_bundle_index(index: Buffer) -> list[TensorBundleEntry]:
+    """Every tensor a TensorFlow checkpoint's ``.index`` file names, by data file offset.
+
+    The index is a leveldb-format table (48-byte footer with the index block's
+    handle and the magic ``0xdb4775248b80fb57``; blocks of prefix-compressed
+    keys) mapping each tensor's key to a BundleEntryProto (shard, offset and
+    size in ``<prefix>.data-<shard>-of-<n>``); the empty key holds the
+    bundle's header.  Raises ValueError if ``index`` is not such a table.
+    """
+    data = bytes(_as_bytes_view(index))
+    if len(data) < _SSTABLE_FOOTER or \
+            struct.unpack_from("<Q", data, len(data) - 8)[0] != _SSTABLE_MAGIC:
+        raise ValueError("not a TensorFlow tensor bundle index")
+    footer = data[len(data) - _SSTABLE_FOOTER:]
+    _, pos = _varint(footer, 0)                   # metaindex handle: offset, size
+    _, pos = _varint(footer, pos)
+    index_off, pos = _varint(footer, pos)
+    index_size, pos = _varint(footer, pos)
+    out = []
+    for _, handle in _sstable_block(data, index_off, index_size):
+        off, p = _varint(handle, 0)
+        size, _ = _varint(handle, p)
+        for key, value in _sstable_block(data, off, size):
+            if key:                                  # b"": the BundleHeaderProto
+                shard, offset, nbytes = _bundle_entry(value)
+                out.append(TensorBundleEntry(key.decode("utf-8", "replace"), shard, offset,
+                                             nbytes))
+    return sorted(out, key=lambda e: (e.shard, e.offset))
 
 
 # ---- format detection --------------------------------------------------------------

@@ -583,3 +583,56 @@ def test_npz_zip64_sizes(tmp_path: Path) -> None:
     assert struct.unpack_from("<I", raw, 18)[0] == 0xFFFFFFFF
     expect = [x for _, start, end in _zip_members(raw) for x in (start, end)]
     assert formats.torch_zip_boundaries(raw) == expect
+
+
+_TF_SAVE = """
+import os, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import numpy as np, tensorflow as tf
+rng = np.random.default_rng(0)
+v = {"w": tf.Variable(rng.standard_normal((300, 70)).astype("float32")),
+     "b": tf.Variable(np.arange(70, dtype="int64")),
+     "h": tf.Variable(rng.standard_normal((5, 3)).astype("float16")),
+     "s": tf.Variable(3.5)}
+prefix = tf.train.Checkpoint(**v).write(sys.argv[1])
+for key, _ in tf.train.list_variables(prefix):
+    if key != "_CHECKPOINTABLE_OBJECT_GRAPH":
+        np.save(os.path.join(sys.argv[2], key.replace("/", "_") + ".npy"),
+                tf.train.load_variable(prefix, key))
+"""
+
+
+def test_tf_bundle_index_real_checkpoint(tmp_path: Path) -> None:
+    """tf_bundle_index finds every tensor TensorFlow wrote, at its bytes."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    if importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("tensorflow-cpu is not installed (pip install -e '.[test]' installs it)")
+    values = tmp_path / "values"
+    values.mkdir()
+    subprocess.run([sys.executable, "-c", _TF_SAVE, str(tmp_path / "ck"), str(values)],
+                   check=True, timeout=300, capture_output=True)
+    entries = formats.tf_bundle_index((tmp_path / "ck.index").read_bytes())
+    data = (tmp_path / "ck.data-00000-of-00001").read_bytes()
+    by_key = {e.key: e for e in entries}
+    assert "_CHECKPOINTABLE_OBJECT_GRAPH" in by_key
+    checked = 0
+    for npy in values.iterdir():
+        want = np.load(npy)
+        key = next(k for k in by_key if k.replace("/", "_") + ".npy" == npy.name)
+        e = by_key[key]
+        assert e.shard == 0 and e.size == want.nbytes, (key, e)
+        assert data[e.offset:e.offset + e.size] == want.tobytes(), key
+        checked += 1
+    assert checked == 4     # w, b, h, s (write() keeps no save counter)
+    # Entries tile the data file in offset order.
+    assert [e.offset for e in entries] == sorted(e.offset for e in entries)
+    assert entries[-1].offset + entries[-1].size == len(data)
+    with pytest.raises(ValueError):
+        formats.tf_bundle_index(data)
+    with pytest.raises(ValueError):
+        formats.tf_bundle_index((tmp_path / "ck.index").read_bytes()[:-1])
