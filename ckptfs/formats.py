@@ -5,7 +5,7 @@ tensors start and end it also forces cuts there, so a small changed tensor
 never drags the bytes of an unchanged neighbour into a new chunk.  Hints only
 move chunk boundaries: a wrong or missed hint costs dedup, never data.
 
-Two formats, both readable from the front as the bytes stream in:
+Three formats, all readable from the front as the bytes stream in:
 
 * safetensors: an 8-byte little-endian header length ``n``, then ``n`` bytes of
   JSON whose entries give each tensor's ``data_offsets`` ``[begin, end)``
@@ -19,6 +19,14 @@ Two formats, both readable from the front as the bytes stream in:
   member's end is known only once its descriptor has streamed in.  The
   archive's top directory is the file's stem (``step_100/data/0``), so member
   headers differ between checkpoint files even when the tensors do not.
+
+* zstd frames back to back (tensorstore's OCDBT data files, where Orbax
+  keeps each array chunk as one compressed value): a frame's extent follows
+  from its frame header and its blocks' 3-byte headers.
+
+TensorFlow's tensor bundles are not hinted: a `.data-*` file is bare tensor
+bytes, and the `.index` naming their offsets is written after it
+(:func:`tf_bundle_index` reads it, for measurements).
 
 Every boundary the parsers report lies at or after the end of the bytes that
 were needed to learn it, except a zip member's data end, which is learned from
@@ -47,6 +55,7 @@ __all__ = [
     "safetensors_boundaries",
     "torch_zip_boundaries",
     "ZipBoundaries",
+    "ZstdFrames",
     "TensorBundleEntry",
     "tf_bundle_index",
     "FormatHints",
@@ -353,6 +362,168 @@ def torch_zip_boundaries(prefix: Buffer) -> Optional[list[int]]:
     return ZipBoundaries().feed(view)
 
 
+# ---- zstd frames (Orbax/tensorstore OCDBT data files) ------------------------------
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_ZSTD_MAX_BLOCK = 128 * 1024
+
+
+def _zstd_skippable(sig: bytes) -> bool:
+    """A skippable frame's magic, 0x184D2A50 to 0x184D2A5F."""
+    return len(sig) == 4 and sig[1:] == b"\x2a\x4d\x18" and sig[0] & 0xF0 == 0x50
+
+
+def _zstd_sig_prefix(partial: bytes) -> bool:
+    """Could these first bytes (fewer than 4) still become a frame's magic?"""
+    if _ZSTD_MAGIC.startswith(partial):
+        return True
+    return not partial or (partial[0] & 0xF0 == 0x50 and b"\x2a\x4d\x18".startswith(partial[1:]))
+
+
+class ZstdFrames:
+    """Incremental parser of zstd frames in a stream that starts with one.
+
+    tensorstore's OCDBT data files (what Orbax checkpoints are made of) hold
+    values back to back; with Orbax's zarr3 layout each value is a shard: its
+    array chunks as zstd frames, then a small shard index (16 bytes per chunk
+    and a CRC-32C).  A frame's extent follows from its headers alone: the
+    frame header (magic, descriptor, optional window, dictionary id and
+    content size), blocks whose 3-byte headers give their sizes, an optional
+    4-byte checksum; skippable frames give their size up front.  After
+    anything that is not a frame (a shard index, B-tree nodes) the parser
+    looks for the next frame magic.
+
+    :meth:`feed` returns, ascending, every frame's end (learned from bytes
+    before it) and the start of every frame that follows other bytes (learned
+    from its magic, so :attr:`stable` holds back at most 3 bytes of a
+    possible magic).  A bogus magic inside other bytes only moves a cut.
+    """
+
+    _FRAME, _BLOCK, _SEARCH = range(3)
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self._mode = self._FRAME
+        self._at = 0                    # FRAME/BLOCK: next header; SEARCH: first unsearched byte
+        self._checksum = False
+        self._tail = b""                # bytes [self._tail_at, self.seen) kept for the next feed
+        self._tail_at = 0
+        self._view = memoryview(b"")
+        self._base = 0
+
+    @property
+    def done(self) -> bool:
+        return False                    # a frame may follow anything
+
+    @property
+    def stable(self) -> int:
+        return min(self._at, self.seen) if self._mode == self._SEARCH else self.seen
+
+    def feed(self, data: Buffer) -> list[int]:
+        view = _as_bytes_view(data)
+        self._view, self._base = view, self.seen
+        self.seen += len(view)
+        out: list[int] = []
+        try:
+            while self._step(out):
+                pass
+        finally:
+            keep = min(self._at, self.seen)
+            self._tail = self._bytes(keep, self.seen) or b""
+            self._tail_at = keep
+            self._view = memoryview(b"")
+        return out
+
+    def _bytes(self, start: int, stop: int) -> Optional[bytes]:
+        if stop > self.seen:
+            return None
+        base = self._base
+        if start >= base:
+            return bytes(self._view[start - base:stop - base])
+        head = self._tail[start - self._tail_at:]
+        if stop <= base:
+            return head[:stop - start]
+        return head + bytes(self._view[:stop - base])
+
+    def _step(self, out: list[int]) -> bool:
+        """Parse or search at self._at; False when it needs more bytes."""
+        at = self._at
+        if at >= self.seen:
+            return False
+        if self._mode == self._SEARCH:
+            return self._search(out)
+        if self._mode == self._BLOCK:
+            b = self._bytes(at, at + 3)
+            if b is None:
+                return False
+            header = int.from_bytes(b, "little")
+            last, kind, size = header & 1, (header >> 1) & 3, header >> 3
+            if kind == 3 or size > _ZSTD_MAX_BLOCK:
+                self._mode = self._SEARCH        # not a block after all
+                return True
+            self._at = at + 3 + (1 if kind == 1 else size)
+            if last:
+                self._at += 4 if self._checksum else 0
+                out.append(self._at)
+                self._mode = self._FRAME
+            return True
+        head = self._bytes(at, min(at + 8, self.seen)) or b""
+        if len(head) < 4:
+            if not _zstd_sig_prefix(head):
+                self._mode = self._SEARCH
+                return True
+            return False
+        if _zstd_skippable(head[:4]):
+            if len(head) < 8:
+                return False
+            self._at = at + 8 + int.from_bytes(head[4:8], "little")
+            out.append(self._at)
+            return True
+        if head[:4] != _ZSTD_MAGIC or (len(head) > 4 and head[4] & 0x08):
+            self._mode = self._SEARCH           # not a frame (or a reserved bit set)
+            return True
+        if len(head) < 5:
+            return False
+        fhd = head[4]
+        single = (fhd >> 5) & 1
+        fcs = (1 if single else 0, 2, 4, 8)[fhd >> 6]
+        header = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3] + fcs
+        if at + header > self.seen:
+            return False
+        self._checksum = bool(fhd & 0x04)
+        self._at = at + header
+        self._mode = self._BLOCK
+        return True
+
+    def _search(self, out: list[int]) -> bool:
+        """Find the next frame magic at or after self._at (the first byte there
+        is known not to start a frame, so the search starts one byte later)."""
+        q = self._at + 1
+        base = self._base
+        if q < base:                    # a magic may start in the kept tail
+            region = self._bytes(q, min(self.seen, base + 3)) or b""
+            hit = region.find(_ZSTD_MAGIC)
+            if hit >= 0:
+                return self._found(q + hit, out)
+            q = base
+        hit = native.find4(self._view, _ZSTD_MAGIC, q - base) if q < self.seen else -1
+        if hit >= 0:
+            return self._found(base + hit, out)
+        # Keep a possible partial magic at the end; search again from there.
+        for k in (3, 2, 1):
+            if self.seen - k >= q and self._bytes(self.seen - k, self.seen) == _ZSTD_MAGIC[:k]:
+                self._at = self.seen - k - 1
+                return False
+        self._at = self.seen - 1
+        return False
+
+    def _found(self, q: int, out: list[int]) -> bool:
+        out.append(q)                   # what came before (a shard index, say) ends here
+        self._at = q
+        self._mode = self._FRAME
+        return True
+
+
 # ---- TensorFlow tensor bundle (tf.train.Checkpoint) ---------------------------------
 
 _SSTABLE_MAGIC = 0xDB4775248B80FB57
@@ -470,7 +641,8 @@ class FormatHints:
 
     ``feed(data)`` returns the new boundaries, ascending; :attr:`stable` is the
     offset below which no further boundary can appear.  :attr:`format` is
-    None until decided, then "safetensors", "zip" or "unknown" (no hints).
+    None until decided, then "safetensors", "zip", "zstd" (frames back to
+    back: OCDBT data files) or "unknown" (no hints).
     A safetensors header longer than ``max_header`` is not collected: real
     ones are kilobytes, and a daemon should not buffer 100 MB per open file.
     """
@@ -481,6 +653,7 @@ class FormatHints:
         self.seen = 0
         self._head = b""  # first bytes, until the format is decided
         self._zip: Optional[ZipBoundaries] = None
+        self._zstd: Optional[ZstdFrames] = None
         self._header: Optional[bytearray] = None  # safetensors header so far
         self._header_size = 0
 
@@ -488,6 +661,8 @@ class FormatHints:
     def stable(self) -> int:
         if self._zip is not None and not self._zip.done:
             return self._zip.stable
+        if self._zstd is not None:
+            return self._zstd.stable
         return self.seen
 
     def feed(self, data: Buffer) -> list[int]:
@@ -504,12 +679,17 @@ class FormatHints:
             if fmt == "zip":
                 self._zip = ZipBoundaries()
                 return self._zip.feed(earlier) + self._zip.feed(view)
+            if fmt == "zstd":
+                self._zstd = ZstdFrames()
+                return self._zstd.feed(earlier) + self._zstd.feed(view)
             if fmt == "safetensors":
                 self._header = bytearray(earlier)
                 return self._feed_safetensors(view)
             return []
         if self._zip is not None:
             return self._zip.feed(view) if not self._zip.done else []
+        if self._zstd is not None:
+            return self._zstd.feed(view) if not self._zstd.done else []
         if self._header is not None:
             return self._feed_safetensors(view)
         return []
@@ -517,6 +697,8 @@ class FormatHints:
     def _sniff(self, head: bytes) -> Optional[str]:
         if head[:4] == _LOCAL:
             return "zip"
+        if head[:4] == _ZSTD_MAGIC:
+            return "zstd"
         if len(head) < 9:
             return None
         size = safetensors_header_size(head)

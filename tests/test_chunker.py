@@ -636,3 +636,80 @@ def test_tf_bundle_index_real_checkpoint(tmp_path: Path) -> None:
         formats.tf_bundle_index(data)
     with pytest.raises(ValueError):
         formats.tf_bundle_index((tmp_path / "ck.index").read_bytes()[:-1])
+
+
+def _zstd_frames(rng: random.Random) -> tuple[bytes, list[int]]:
+    """Frames of every kind back to back (checksums, raw/RLE/compressed blocks,
+    multi-block frames, a skippable frame) and where each one ends."""
+    import zstandard
+
+    parts = []
+    for level, checksum, data in [
+            (3, False, rng.randbytes(300_000)),                 # raw blocks, 3 of them
+            (3, True, bytes(200_000)),                           # RLE / tiny compressed
+            (1, True, (b"tensor" * 5000) + rng.randbytes(1000)),
+            (19, False, b"x"),
+            (3, False, rng.randbytes(5))]:
+        parts.append(zstandard.ZstdCompressor(level=level, write_checksum=checksum,
+                                              write_content_size=level != 1).compress(data))
+    parts.insert(2, struct.pack("<II", 0x184D2A53, 7) + b"skipped")
+    ends, pos = [], 0
+    for p in parts:
+        pos += len(p)
+        ends.append(pos)
+    return b"".join(parts), ends
+
+
+def test_zstd_frames_boundaries(rng: random.Random) -> None:
+    stream, ends = _zstd_frames(rng)
+    assert formats.ZstdFrames().feed(stream) == ends
+    for _ in range(5):      # any split gives the same boundaries
+        parser, got, pos = formats.ZstdFrames(), [], 0
+        for n in random_pieces(rng, (1, 2, 3, 5, 17, 4096, 100_000)):
+            got += parser.feed(stream[pos:pos + n])
+            pos += n
+            if pos >= len(stream):
+                break
+        assert got == ends
+    # Other bytes between frames (a zarr3 shard index, B-tree nodes): a cut where
+    # the next frame starts, learned from its magic; nothing inside them.
+    index = b"\x00" * 16 + b"\xff" * 16 + b"crc!"
+    node = b"\x0c\xdb\x20\xde" + rng.randbytes(5000).replace(b"\x28\xb5", b"")
+    joined = stream + index + stream + node
+    want = ends + [len(stream) + len(index)] + [len(stream) + len(index) + e for e in ends]
+    assert formats.ZstdFrames().feed(joined) == want
+    for _ in range(5):
+        parser, got, pos = formats.ZstdFrames(), [], 0
+        for n in random_pieces(rng, (1, 2, 3, 4, 5, 33, 4096)):
+            before = parser.stable
+            new = parser.feed(joined[pos:pos + n])
+            assert all(b >= before for b in new), (before, new)    # nothing behind the scan
+            got += new
+            pos += n
+            assert parser.seen - 4 <= parser.stable <= parser.seen
+            if pos >= len(joined):
+                break
+        assert got == want
+    hints = formats.FormatHints()
+    assert hints.feed(stream[:3]) == [] and hints.format is None
+    assert hints.feed(stream[3:]) == ends and hints.format == "zstd"
+
+
+def test_zstd_frames_in_the_chunker_dedup_moved_values(rng: random.Random) -> None:
+    """A value that moves within the data file (another value before it grew)
+    is stored once with hints; CDC alone re-stores the chunks at its edges."""
+    import zstandard
+
+    comp = zstandard.ZstdCompressor(level=3)
+    values = [comp.compress(rng.randbytes(n)) for n in (150_000, 90_000, 70_000, 300_000)]
+    v1 = b"".join(values)
+    values[0] = comp.compress(rng.randbytes(171_111))
+    v2 = b"".join(values)
+
+    def new_bytes(hints: bool) -> int:
+        ids = {chunk_id(v1[o:o + n]) for o, n in chunk_buffer(v1, detect_format=hints)}
+        return sum(n for o, n in chunk_buffer(v2, detect_format=hints)
+                   if chunk_id(v2[o:o + n]) not in ids)
+
+    assert new_bytes(True) == len(values[0])
+    assert new_bytes(False) > len(values[0]) + 16 * 1024

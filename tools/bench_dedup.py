@@ -478,13 +478,16 @@ def version_files(plain: Path, tag: str) -> list[Path]:
 
 
 def stage_versions(plain: Path, tags: list[str], stage: Path) -> list[Path]:
-    """One directory per version holding hard links to that version's files."""
+    """One directory per version holding hard links to that version's files
+    (at their paths inside the version's directory, if it has one)."""
     out = []
     for i, tag in enumerate(tags):
         d = stage / f"v{i}"
         d.mkdir(parents=True)
         for p in version_files(plain, tag):
-            os.link(p, d / p.name)
+            target = d / (p.relative_to(plain / tag) if (plain / tag).is_dir() else p.name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(p, target)
         out.append(d)
     return out
 

@@ -367,15 +367,20 @@ def run_ranks(args: argparse.Namespace, name: str, timings: Timings) -> None:
                 "--layers", str(args.layers), "--d-model", str(args.d_model),
                 "--vocab", str(args.vocab), "--ctx", str(args.ctx), "--batch", str(args.batch),
                 "--threads", str(args.threads), "--_port", str(port), "--_result", result]
-        procs = [subprocess.Popen(argv + ["--_rank", str(r)], env=env, start_new_session=True)
-                 for r in range(args.ranks)]
+        # The ranks stay in this process group, so whoever kills the group (as
+        # bench_dedup.py does on a timeout) takes them and their helpers too.
+        procs = [subprocess.Popen(argv + ["--_rank", str(r)], env=env) for r in range(args.ranks)]
         try:
-            codes = [p.wait() for p in procs]
+            while any(p.poll() is None for p in procs):
+                if any(p.returncode for p in procs if p.returncode is not None):
+                    break           # a rank failed: the others would wait for it forever
+                time.sleep(0.5)
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+        codes = [p.returncode for p in procs]
         if any(codes):
             raise SystemExit(f"{name}: rank exit codes {codes}")
         timings.data["scenarios"][name] = json.loads(Path(result).read_text())
