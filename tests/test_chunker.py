@@ -579,7 +579,13 @@ def test_npz_zip64_sizes(tmp_path: Path) -> None:
     np = pytest.importorskip("numpy")
     path = tmp_path / "arrays.npz"
     np.savez(path, a=np.arange(1000, dtype=np.float32), b=np.ones((3, 7)))
-    raw = path.read_bytes()
+    raw = bytearray(path.read_bytes())
+    # zipfile before Python 3.11.4 (Debian 12's 3.11.2) also writes the real sizes
+    # into the 32-bit fields; later ones write 0xFFFFFFFF there, as zip64 wants.
+    # Make every local header the latter, so the zip64 path runs on any Python.
+    for info in zipfile.ZipFile(io.BytesIO(bytes(raw))).infolist():
+        struct.pack_into("<II", raw, info.header_offset + 18, 0xFFFFFFFF, 0xFFFFFFFF)
+    raw = bytes(raw)
     assert struct.unpack_from("<I", raw, 18)[0] == 0xFFFFFFFF
     expect = [x for _, start, end in _zip_members(raw) for x in (start, end)]
     assert formats.torch_zip_boundaries(raw) == expect
