@@ -146,22 +146,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show a progress bar (default: when stderr is a terminal)")
 
-    p = sub.add_parser("gc", help="delete dead packs, stale manifests and leftovers in the "
-                                  "backing store",
-                       description="Delete what nothing names any more from the backing "
-                                   "store of a mounted ckptfs: packs whose chunks are all "
-                                   "gone (or that a crash left unnamed), manifests of files "
-                                   "deleted or changed since, temporary files of "
-                                   "interrupted writes. The index is never changed.")
+    p = sub.add_parser("gc", help="publish a snapshot and delete what nothing needs from "
+                                  "the backing store",
+                       description="Publish a snapshot of the namespace, then delete what "
+                                   "nothing needs any more from the backing store of a "
+                                   "mounted ckptfs: packs whose chunks are all gone (or that "
+                                   "a crash left unnamed), snapshot heads older than the "
+                                   "newest 3 and the namespace objects only they reach, "
+                                   "per-file manifests of older ckptfs versions, temporary "
+                                   "files of interrupted writes. The index is never changed.")
     p.add_argument("mountpoint")
 
     p = sub.add_parser("recover", help="rebuild a lost index from the backing store alone",
-                       description="Rebuild SOURCE/.ckptfs/index from the backing store's "
-                                   "packs and file manifests (every file that was tiered). "
-                                   "SOURCE must be unmounted and hold no index.")
+                       description="Rebuild SOURCE/.ckptfs/index from the newest snapshot "
+                                   "in the backing store: every directory, symlink, hard "
+                                   "link and every file whose bytes are all in the store, "
+                                   "exactly as that snapshot describes them. Files it cannot "
+                                   "restore are named (exit 4). SOURCE must be unmounted and "
+                                   "hold no index; nothing is left behind if it fails.")
     p.add_argument("source")
     p.add_argument("-o", dest="options", action="append", default=[],
                    help="mount options (backing= if the store is not the default)")
+    p.add_argument("--head", type=int, metavar="SEQ",
+                   help="restore this (older) snapshot instead of the newest")
 
     p = sub.add_parser("tier", help="move cold versions to the backing store now",
                        description="Move every chunk the tiering policy calls cold (all "
@@ -193,12 +200,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             return run_export(args.path, args.dest, progress=args.progress)
         if args.cmd == "gc":
             done = control.request(args.mountpoint, "gc")
-            print(f"deleted {done['dead_packs']} dead packs, {done['stale_manifests']} stale "
+            print(f"published snapshot {done['snapshot']}; deleted {done['dead_packs']} dead "
+                  f"packs, {done['old_heads']} older snapshot heads, {done['objects']} "
+                  f"namespace objects no kept head needs, {done['stale_manifests']} stale "
                   f"manifests, {done['temporary_files']} temporary files")
             return ExitCode.OK
         if args.cmd == "recover":
             from .recover import run_recover
-            return run_recover(args.source, args.options)
+            return run_recover(args.source, args.options, head=args.head)
         if args.cmd == "tier":
             return tier_now(args.mountpoint, everything=args.all)
     except (CkptfsError, OSError) as e:

@@ -529,6 +529,8 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
                     if fs.tierer is not None:
                         await fs.tierer.stop()
                     await fs.shutdown()
+                    if fs.tierer is not None:
+                        await fs.tierer.publish_at_unmount()
                     fs.index.stop()
                 inner.cancel_scope.cancel()
 
@@ -568,7 +570,8 @@ def _control_handlers(fs: Filesystem) -> dict:
 
     async def gc(_: dict) -> dict:
         if fs.tierer is None:
-            return {"dead_packs": 0, "stale_manifests": 0, "temporary_files": 0}
+            return {"dead_packs": 0, "stale_manifests": 0, "old_heads": 0, "objects": 0,
+                    "temporary_files": 0, "snapshot": None}
         return await fs.tierer.gc()
 
     async def data_ranges(args: dict) -> dict:

@@ -67,6 +67,7 @@ class Fsck:
     log_problem: Optional[str] = None      # why the log could not be opened, if so
     store_problem: Optional[str] = None    # why the backing store is not reachable, if so
     findings: list[Finding] = field(default_factory=list)
+    blobs_to_delete: list[str] = field(default_factory=list)   # after a snapshot (repair)
     # What the scans saw, shared by the checks.
     inodes: dict[int, Inode] = field(default_factory=dict)
     chunks: dict[int, Chunk] = field(default_factory=dict)
@@ -420,7 +421,14 @@ class Fsck:
         named = {packs.pack_name(n) for n in recorded} | {packs.pack_name(n) for n in live}
         for blob in sorted(blobs - named):
             self.problem("packs", f"{blob} is named by nothing (dead pack)",
-                         _delete_blob(self.backend, blob))
+                         self._delete_blob_later(blob))
+
+    def _delete_blob_later(self, name: str) -> Repair:
+        """A pack no index record names may still be named by the newest snapshot
+        head: it is deleted after the repair, once a new snapshot is published."""
+        def fix(txn: DirectTxn) -> None:
+            self.blobs_to_delete.append(name)
+        return fix
 
     def _check_trailer(self, pack_no: int, chunks: list[Chunk]) -> None:
         """A pack's trailer is intact (recover rebuilds from it) and lists each of
@@ -539,10 +547,6 @@ def _put_pack(pack: ix.PackInfo) -> Repair:
     return lambda txn: ix.put_pack(txn, pack)
 
 
-def _delete_blob(backend: Backend, name: str) -> Repair:
-    def fix(txn: DirectTxn) -> None:
-        backend.delete(name)         # named by nothing: safe whatever the transaction does
-    return fix
 
 
 def _delete(db: str, key: bytes) -> Repair:
@@ -643,6 +647,24 @@ def _link(txn: DirectTxn, pdir: Inode, name: bytes, ino: int, counters: dict) ->
 
 # ------------------------------------------------------------------ command
 
+def _delete_after_snapshot(index: Index, backend: Backend, fs_uuid: bytes, names: list[str],
+                           out) -> int:
+    """Publish a snapshot of the repaired index, then delete packs nothing names
+    (the older snapshot heads may name them: docs/STORE.md). Returns how many
+    deletions did not happen."""
+    from .snapshots import publish_offline
+    try:
+        done = publish_offline(index, backend, fs_uuid)
+        print(f"published snapshot {done.seq} of the repaired index", file=out)
+        for name in names:
+            backend.delete(name)
+    except CkptfsError as e:
+        print(f"problem [packs] not deleted ({len(names)} packs nothing names): no snapshot "
+              f"could be published first: {e}", file=out)
+        return len(names)
+    return 0
+
+
 def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
              verify_data: bool = True, out=None) -> int:
     """`ckptfs fsck SOURCE`: returns the exit code (see module docstring)."""
@@ -698,8 +720,12 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
         fixable = [f for f in checker.findings if f.repair is not None]
         if repair and fixable:
             index.write_direct(lambda txn: [f.repair(txn) for f in fixable])
-            print(f"repaired {len(fixable)} of {len(checker.findings)} problems", file=out)
-            return 3 if len(fixable) == len(checker.findings) else 4
+            repaired = len(fixable)
+            if checker.blobs_to_delete:
+                repaired -= _delete_after_snapshot(index, backend, fs_uuid,
+                                                   checker.blobs_to_delete, out)
+            print(f"repaired {repaired} of {len(checker.findings)} problems", file=out)
+            return 3 if repaired == len(checker.findings) else 4
         print(f"{len(checker.findings)} problems ({len(fixable)} repairable with --repair)",
               file=out)
         return 4

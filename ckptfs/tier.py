@@ -14,11 +14,14 @@ read each chunk from the log (verified), compress it (`codec`), append it to
 a pack, commit the pack (temp name, fsync, rename, fsync dir: `backing`);
 back on the trio thread, flip every chunk that is still where it was to its
 pack location in the open index batch. Its log space is released once that
-batch is durable and no read that might still use it is in flight. Then the
-manifests of files that are now wholly cold go to the backing store too, so
-`ckptfs recover` can rebuild them from the store alone. Failures (store
-missing, read-only, full, slow) leave hot data alone; the mover retries with
-backoff and says why in the log and in `ckptfs stat`.
+batch is durable and no read that might still use it is in flight. After a
+pass (not one a waiting writer runs) and at unmount, a snapshot of the whole
+namespace goes to the store (`snapshots.Publisher`, docs/STORE.md), so
+`ckptfs recover` can rebuild the newest state from the store alone. Packs
+whose last chunk went are deleted only once a snapshot newer than that is
+published. Failures (store missing, read-only, full, slow) leave hot data
+alone; the mover retries with backoff and says why in the log and in
+`ckptfs stat`.
 
 Reading (`ColdStore`): a cold chunk's payload range is read from its pack,
 CRC-checked, decompressed, and its BLAKE3 id verified before a byte is used;
@@ -31,7 +34,6 @@ function; everything else runs on the trio thread.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -52,10 +54,10 @@ from .backing.base import Backend
 from .chunker import chunk_id
 from .errors import BackingFull, CkptfsError, DamagedData, FormatError, NoSpace
 from .index import CHUNK_LOG, CHUNK_PACK, Chunk, Inode
+from .snapshots import Published, Publisher
 
 log = logging.getLogger(__name__)
 
-MANIFEST_DIR = "manifests"
 PREFETCH_BATCH = 8               # cold chunks per prefetch call
 # Room a pack leaves free in the backing store: file system blocks and
 # directories, manifests, other writers. A store with less free space than a
@@ -304,6 +306,8 @@ class Tierer:
         self._urgent = False
         self._running = False
         self._busy = trio.Lock()          # one pass or gc at a time
+        self._publishing = trio.Lock()    # one snapshot (or gc) at a time
+        self.publisher = Publisher(self.index, backend, fs_uuid, limiter=self.limiter)
         self._nursery: Optional[trio.Nursery] = None
         self.state = "idle"
         self.last_error: Optional[str] = None
@@ -358,6 +362,7 @@ class Tierer:
             try:
                 await self.tier_once()
                 self.collect_garbage()
+                await self.publish()
             except (CkptfsError, OSError) as e:
                 self._failed(e)
             except Exception as e:  # noqa: BLE001 - a bug must not take the mount down
@@ -380,6 +385,7 @@ class Tierer:
             await self.tier_once(everything=everything, progress=progress, wait=True)
             self.collect_garbage()
             await self.index.wait_durable(self.index.current_seq())
+            await self.publish()
         except (CkptfsError, OSError) as e:
             self._failed(e)
             progress.error = str(e)
@@ -570,7 +576,6 @@ class Tierer:
                     break
             elif self._writers_waiting and progress is None:
                 break               # let the waiting writer's pass have the lock
-        await self._write_manifests(cold, paths)
         self.rounds += 1
         self.last_error = None
         self._backoff_s = 0.0
@@ -669,52 +674,25 @@ class Tierer:
         self.moved_bytes += moved
         return moved
 
-    # ------------------------------------------------------------ manifests
+    # ------------------------------------------------------------ snapshots
 
-    async def _write_manifests(self, cold: list[Version], paths: dict) -> None:
-        """Describe every wholly cold file in the backing store (for `recover`)."""
-        wanted: dict[str, bytes] = {}
-        for v in cold:
-            for inode in v.files:
-                doc = self._manifest(inode, paths.get(inode.ino, []))
-                if doc is not None:
-                    wanted[manifest_name(self.fs_uuid, inode)] = doc
-        if not wanted:
+    async def publish(self, force: bool = False) -> Optional[Published]:
+        """A snapshot of the namespace to the store, unless nothing changed since
+        the last one. Writers never wait for it (it has its own lock)."""
+        async with self._publishing:
+            return await self.publisher.publish(force=force)
+
+    async def publish_at_unmount(self) -> None:
+        """The last snapshot, after the final commits (the mover is stopped)."""
+        try:
+            done = await self.publish()
+        except (CkptfsError, OSError) as e:
+            log.warning("no snapshot published at unmount: %s (ckptfs recover would "
+                        "restore an older one)", e)
             return
-        await trio.to_thread.run_sync(self._put_manifests_blocking, wanted,
-                                      limiter=self.limiter)
-
-    def _manifest(self, inode: Inode, names: list[bytes]) -> Optional[bytes]:
-        extents = []
-        for e in ix.iter_extents(self.index, inode.ino):
-            chunk = ix.get_chunk(self.index, e.chunk_no)
-            if chunk is None or chunk.kind != CHUNK_PACK:
-                return None         # not wholly cold (yet)
-            extents.append([e.file_off, e.length, chunk.chunk_id.hex(), e.chunk_off])
-        lo, hi = ix.prefix_range(inode.ino)
-        xattrs = {k[8:].hex(): v.hex() for k, v in self.index.items("xattrs", lo, hi)}
-        return json.dumps({
-            "format": 1, "fs_uuid": self.fs_uuid.hex(), "ino": inode.ino,
-            "paths": [p.decode("utf-8", "surrogateescape") for p in names],
-            "mode": inode.mode, "uid": inode.uid, "gid": inode.gid, "size": inode.size,
-            "atime_ns": inode.atime_ns, "mtime_ns": inode.mtime_ns, "ctime_ns": inode.ctime_ns,
-            "xattrs": xattrs, "extents": extents,
-        }, separators=(",", ":")).encode()
-
-    def _put_manifests_blocking(self, wanted: dict[str, bytes]) -> None:
-        existing = set(self.backend.list(f"{MANIFEST_DIR}/{self.fs_uuid.hex()}/"))
-        for name, doc in wanted.items():
-            if name in existing:
-                continue
-            with self.backend.writer(name) as w:
-                w.write(doc)
-                w.commit()
-        # Manifests of versions that changed since: the newest one per inode wins.
-        current = {name.rsplit("-", 1)[0]: name for name in wanted}
-        for name in existing:
-            newer = current.get(name.rsplit("-", 1)[0])
-            if newer is not None and newer != name:
-                self.backend.delete(name)
+        if done is not None:
+            log.info("snapshot %d published: %d entries, %d files (%d not wholly in the "
+                     "store)", done.seq, done.entries, done.files, done.incomplete_files)
 
     # --------------------------------------------------------------- cleanup
 
@@ -726,53 +704,44 @@ class Tierer:
             if pack.live_chunks == 0 and pack.pack_no not in zombie_packs:
                 ix.delete_pack(self.index, pack.pack_no)
                 name = packs.pack_name(pack.pack_no)
-                self.index.after_durable(lambda name=name: self._delete_later(name))
+                # The newest snapshot may still name its chunks: the blob goes once
+                # a snapshot of a state without them is published.
+                self.index.after_durable(
+                    lambda name=name: self.publisher.pending_pack_deletes.append(name))
 
     async def gc(self) -> dict[str, int]:
-        """`ckptfs gc`: delete dead packs, leftovers of interrupted pack writes,
-        and manifests of files that no longer exist (or changed since).
+        """`ckptfs gc`: publish a snapshot, then delete dead packs (and packs a
+        crash left unnamed), older snapshot heads and the objects only they
+        reach, manifests of the format before snapshots, and leftovers of
+        interrupted writes.
 
         Holds the pass lock throughout: a pack being written and not yet named
-        by the index must not look like a stray."""
-        async with self._busy:
+        by the index must not look like a stray; and the publish lock: a head
+        being written must keep every object it names."""
+        async with self._busy, self._publishing:
             dead = sum(1 for k, _ in self.index.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))
                        if ix.get_pack(self.index, ix.read_u64(k)).live_chunks == 0)
             self.collect_garbage()
             await self.index.wait_durable(self.index.current_seq())
-            named = {packs.pack_name(ix.read_u64(k))
-                     for k, _ in self.index.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))}
-            live_manifests = set()
-            for k, raw in self.index.items("inodes", ix.u64(0), ix.u64((1 << 64) - 1)):
-                inode = Inode.decode(ix.read_u64(k), raw)
-                if stat.S_ISREG(inode.mode):
-                    live_manifests.add(manifest_name(self.fs_uuid, inode))
-            return await trio.to_thread.run_sync(self._gc_blocking, named, live_manifests,
-                                                 dead, limiter=self.limiter)
+            done = await self.publisher.publish(force=True)
+            named = {packs.pack_name(n) for n in done.packs_named}
+            named |= {packs.pack_name(ix.read_u64(k))
+                      for k, _ in self.index.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))}
+            stray, temp = await trio.to_thread.run_sync(self._gc_blocking, named,
+                                                        limiter=self.limiter)
+            return {"dead_packs": dead + stray, "stale_manifests": done.manifests_deleted,
+                    "old_heads": done.heads_deleted, "objects": done.objects_deleted,
+                    "temporary_files": temp, "snapshot": done.seq}
 
-    def _gc_blocking(self, named: set[str], live_manifests: set[str], dead: int
-                     ) -> dict[str, int]:
-        # Packs the index does not name: written but never flipped to (a crash,
-        # or a batch whose chunks all went meanwhile). Only once no move runs.
+    def _gc_blocking(self, named: set[str]) -> tuple[int, int]:
+        # Packs neither the index nor the snapshot just published names: written
+        # but never flipped to (a crash, or a batch whose chunks all went
+        # meanwhile), or dead before a crash. Only once no move runs.
         stray = [n for n in self.backend.list(packs.PACK_PREFIX) if n not in named]
         for name in stray:
             self.backend.delete(name)
-        manifests = [n for n in self.backend.list(f"{MANIFEST_DIR}/{self.fs_uuid.hex()}/")
-                     if n not in live_manifests]
-        for name in manifests:
-            self.backend.delete(name)
         temp = self.backend.remove_incomplete(older_than=0)    # no write runs: see gc
-        return {"dead_packs": dead + len(stray), "stale_manifests": len(manifests),
-                "temporary_files": temp}
-
-    def _delete_later(self, name: str) -> None:
-        if self._nursery is not None:
-            self._nursery.start_soon(self._delete_blob, name)
-
-    async def _delete_blob(self, name: str) -> None:
-        try:
-            await trio.to_thread.run_sync(self.backend.delete, name, limiter=self.limiter)
-        except (CkptfsError, OSError) as e:
-            log.warning("could not delete dead pack %s: %s (gc will retry)", name, e)
+        return len(stray), temp
 
     # ---------------------------------------------------------- backpressure
 
@@ -846,6 +815,9 @@ class Tierer:
             "cold_cache_hits": self.cold.hits,
             "cold_fetches": self.cold.fetches,
             "backing": self.backend.url,
+            "snapshot_seq": None if self.publisher.last is None else self.publisher.last.seq,
+            "snapshot_age_s": None if self.publisher.last is None
+            else round(time.time() - self.publisher.last_time, 1),
         }
 
 
@@ -853,8 +825,4 @@ def _pack_size(writer: packs.PackWriter, payload_bytes: int) -> int:
     """The pack's size once committed with one more payload of this size."""
     return (writer.bytes_written + payload_bytes
             + (len(writer) + 1) * packs.ENTRY_BYTES + packs.FOOTER_BYTES)
-
-
-def manifest_name(fs_uuid: bytes, inode: Inode) -> str:
-    return f"{MANIFEST_DIR}/{fs_uuid.hex()}/{inode.ino}-{inode.mtime_ns}.json"
 

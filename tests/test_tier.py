@@ -69,10 +69,8 @@ def test_cold_versions_move_out_and_read_back(make_mount, fsck_clean):
     m.remount()                       # empty read cache: every cold byte from the packs
     verify(m.path, files)
     m.umount()                        # the store is below the mount (SOURCE/.ckptfs/store)
-    manifests = list((m.source / ".ckptfs" / "store" / "manifests").rglob("*.json"))
-    assert len(manifests) >= 9, "every wholly cold file has a manifest"
-    doc = json.loads(manifests[0].read_text())
-    assert doc["paths"] and doc["extents"]
+    heads = list((m.source / ".ckptfs" / "store" / "heads").rglob("*"))
+    assert any(h.is_file() for h in heads), "a snapshot of the namespace was published"
     check_clean(fsck_clean, m)
 
 
@@ -202,6 +200,7 @@ def test_recover_rebuilds_every_tiered_file_from_the_store_alone(make_mount, fsc
     os.unlink(state / "pmem.log")
     res = run_ckptfs("recover", str(m.source))
     assert "recovered 9 files" in res.stdout, res.stdout     # 9 inodes, 10 names
+    assert "1 further hard links" in res.stdout, res.stdout
     m.start()
     verify(m.path, files)
     assert os.stat(m.path / "step_1/model.bin").st_nlink == 2
@@ -300,21 +299,24 @@ def test_read_only_store_fails_tiering_and_keeps_hot_data(make_mount, small_stor
     check_clean(fsck_clean, m)
 
 
-def test_gc_deletes_dead_packs_and_stale_manifests(make_mount, tmp_path, fsck_clean):
+def test_gc_deletes_dead_packs_and_old_snapshots(make_mount, tmp_path, fsck_clean):
     store = tmp_path / "gcstore"
     m = make_mount(options=["pmem_size=128M", f"backing={store}"])
     first = write_version(m.path, 1, size=2 * MiB)
+    tier_now(m, "--all")
+    first_pack = sorted((store / "packs").rglob("*.pack"))
     second = write_version(m.path, 2, size=2 * MiB)
     tier_now(m, "--all")
-    packs_before = sorted((store / "packs").rglob("*.pack"))
-    stray = packs_before[0].with_name("00000000deadbeef.pack")
-    shutil.copy(packs_before[0], stray)                # a pack nothing names
-    shutil.rmtree(m.path / "step_1")                   # its chunks and manifests are dead
-    res = run_ckptfs("gc", str(m.path))
-    assert "stale manifests" in res.stdout
+    stray = first_pack[0].with_name("00000000deadbeef.pack")
+    shutil.copy(first_pack[0], stray)                  # a pack nothing names
+    shutil.rmtree(m.path / "step_1")                   # its chunks and its pack are dead
+    for _ in range(4):                                 # more heads than gc keeps
+        res = run_ckptfs("gc", str(m.path))
+    assert "published snapshot" in res.stdout and "older snapshot heads" in res.stdout
     assert not stray.exists()
-    manifests = list((store / "manifests").rglob("*.json"))
-    assert len(manifests) == len(second)
+    assert not first_pack[0].exists()
+    heads = [p for p in (store / "heads").rglob("*") if p.is_file()]
+    assert len(heads) == 3
     m.remount()
     verify(m.path, second)
     assert not (m.path / "step_1").exists() and first

@@ -1,0 +1,433 @@
+"""Publishing snapshots of the namespace to the backing store (docs/STORE.md).
+
+A snapshot describes the whole namespace of the index's durable state: every
+directory (mode, owner, times, xattrs, entries), file (attributes, extents
+and which chunk holds each range, or that the range is not in the store),
+symlink, device node and hard link. `Publisher.publish` writes one:
+
+1. trio thread: reserve the next head number (`next_head` in the index) and
+   wait until that is durable, so no later head can get a smaller number,
+   even after a crash;
+2. worker thread: walk the durable state (one LMDB read transaction: a
+   consistent commit, never a half-applied batch), depth first with an
+   explicit stack, writing each namespace object that the store does not
+   hold yet (content-addressed, so unchanged directories and files cost
+   nothing but their hash);
+3. then the head, last: a head names only durable objects, and objects name
+   only chunks in durable packs (a chunk counts as in the store only once
+   its pack flip is durable);
+4. then what the new head made unnecessary goes: packs that died before the
+   state it describes, heads older than the newest KEEP_HEADS, objects no
+   kept head reaches, and manifests of the format before snapshots.
+
+Whether a chunk counts as in the store is a function given to the publisher
+(`packed_chunk_id`: a chunk in a pack), so that publishing hot chunks too
+(issue 13) changes that function, not the walk. The caller serialises
+`publish` and anything else that deletes from the store (the tierer holds
+its publish lock, and gc the pass lock too).
+
+Which functions may block: `publish_blocking` and everything it calls (run
+it on a worker thread); `publish` is async and offloads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import stat
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import trio
+
+from . import index as ix
+from . import snapshot_format as sf
+from .backing.base import Backend
+from .errors import BlobMissing, CkptfsError, FormatError
+from .index import CHUNK_PACK, ROOT_INO, Chunk, Index, Inode
+
+log = logging.getLogger(__name__)
+
+KEEP_HEADS = 3          # the newest heads kept (with every object they reach)
+WRITE_THREADS = 8       # objects written at once: their fsyncs overlap
+WRITES_IN_FLIGHT = 64   # objects (bytes) held while waiting for a writer
+
+
+def packed_chunk_id(chunk: Chunk) -> Optional[bytes]:
+    """The chunk's id if its bytes are in the store (a pack), else None."""
+    return chunk.chunk_id if chunk.kind == CHUNK_PACK and chunk.chunk_id else None
+
+
+@dataclass
+class Published:
+    """What one publish did (for logs, stats and gc's report)."""
+
+    seq: int
+    root: bytes = b""
+    entries: int = 0
+    files: int = 0
+    incomplete_files: int = 0
+    skipped: int = 0                     # index damage the walk stepped over (fsck's)
+    objects_written: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    packs_named: set[int] = field(default_factory=set)   # in the state it describes
+    packs_deleted: int = 0
+    heads_deleted: int = 0
+    objects_deleted: int = 0
+    manifests_deleted: int = 0
+
+
+@dataclass
+class _CachedFile:
+    raw_inode: bytes          # the inode record the object was made from
+    store_state: bytes        # for a file not wholly in the store: what the store held
+    obj: bytes
+    pages: tuple[bytes, ...]
+    walk: int
+
+
+class _Pager:
+    """Entries (or extents) of one object, closed into pages when too many."""
+
+    def __init__(self, put: Callable[[bytes], bytes], limit: int, page: Callable) -> None:
+        self.put = put
+        self.limit = limit
+        self.page = page
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.pages: list[bytes] = []
+
+    def add(self, part: bytes) -> None:
+        if self.parts and (len(self.parts) >= self.limit
+                           or self.size + len(part) > sf.PAGE_BYTES):
+            self.flush()
+        self.parts.append(part)
+        self.size += len(part)
+
+    def flush(self) -> None:
+        self.pages.append(self.put(self.page(self.parts)))
+        self.parts, self.size = [], 0
+
+    def finish(self) -> tuple[list[bytes], list[bytes]]:
+        """(inline parts, []) if it all fits in one object, else ([], pages)."""
+        if self.pages and self.parts:
+            self.flush()
+        return self.parts, self.pages
+
+
+class _DirWalk:
+    def __init__(self, ino: int, inode: Inode, name: bytes, items, pager: _Pager) -> None:
+        self.ino = ino
+        self.inode = inode
+        self.name = name
+        self.items = items
+        self.pager = pager
+
+
+class Publisher:
+    """Snapshots of one filesystem's index, published to its backing store."""
+
+    def __init__(self, index: Index, backend: Backend, fs_uuid: bytes,
+                 in_store: Callable[[Chunk], Optional[bytes]] = packed_chunk_id,
+                 limiter: Optional[trio.CapacityLimiter] = None) -> None:
+        self.index = index
+        self.backend = backend
+        self.fs_uuid = fs_uuid
+        self.in_store = in_store
+        self.limiter = limiter
+        # Object id -> the newest head (by seq) known to reach it; 0 for objects
+        # found in the store and not marked yet. None until the store was listed.
+        self.objects: Optional[dict[bytes, int]] = None
+        self._marked_heads: set[int] = set()
+        self._files: dict[int, _CachedFile] = {}
+        self._walks = 0
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._writes: deque[Future] = deque()
+        self._state_seq = -1
+        # Packs whose last chunk went: deleted once a head no longer needs them.
+        self.pending_pack_deletes: list[str] = []
+        self.last: Optional[Published] = None
+        self.last_time = 0.0
+        self.last_error: Optional[str] = None
+
+    # ------------------------------------------------------------ trio side
+
+    async def publish(self, force: bool = False) -> Optional[Published]:
+        """Publish a snapshot of the durable state; None if nothing changed since
+        the last one (and force is not set). The caller serialises publishes."""
+        if not force and self.index.durable_seq == self._state_seq \
+                and not self.pending_pack_deletes:
+            return None
+        seq = self.index.reserve_id(b"next_head")
+        await self.index.wait_durable(self.index.current_seq())
+        self._state_seq = self.index.durable_seq
+        deletes, self.pending_pack_deletes = self.pending_pack_deletes, []
+        try:
+            result = await trio.to_thread.run_sync(self.publish_blocking, seq, deletes,
+                                                   limiter=self.limiter)
+        except BaseException as e:
+            self.pending_pack_deletes[:0] = deletes
+            self._state_seq = -1
+            self.last_error = str(e)
+            raise
+        self.last_error = None
+        return result
+
+    # ---------------------------------------------------------- worker side
+
+    def publish_blocking(self, seq: int, pack_deletes: list[str] = ()) -> Published:
+        """Write snapshot `seq` (reserved durably by the caller), then delete what
+        it made unnecessary. May block."""
+        started = time.monotonic()
+        if self.objects is None:
+            self._marked_heads.clear()     # kept heads are marked again from the store
+            self.objects = {}
+            for name in self.backend.list(sf.OBJECT_PREFIX):
+                oid = sf.object_id_from_name(name)
+                if oid is not None:
+                    self.objects[oid] = 0
+        result = Published(seq)
+        with self.index.read_view() as view, ThreadPoolExecutor(
+                WRITE_THREADS, thread_name_prefix="ckptfs snapshot") as pool:
+            self._pool, self._writes = pool, deque()
+            try:
+                self._walk(view, result)
+                result.packs_named = {ix.read_u64(k) for k, _ in
+                                      view.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))}
+                while self._writes:                # every object durable before the head
+                    self._writes.popleft().result()
+            except BaseException:
+                for f in self._writes:
+                    f.cancel()
+                self.objects = None        # some may be missing: list the store again
+                raise
+            finally:
+                self._pool = None
+        head = sf.Head(self.fs_uuid, seq, time.time_ns(), result.root, result.entries,
+                       result.files, result.incomplete_files)
+        with self.backend.writer(sf.head_name(self.fs_uuid, seq)) as w:
+            w.write(sf.encode_head(head))
+            w.commit()
+        self._marked_heads.add(seq)
+        result.seconds = time.monotonic() - started
+        self.last, self.last_time = result, time.time()
+        log.debug("published snapshot %d: %d entries, %d objects written (%d bytes) in %.2f s",
+                  seq, result.entries, result.objects_written, result.bytes_written,
+                  result.seconds)
+        # The head is durable: what only older states needed can go now.
+        for name in pack_deletes:
+            self.backend.delete(name)
+            result.packs_deleted += 1
+        self._collect(result)
+        return result
+
+    def _put(self, data: bytes, result: Published) -> bytes:
+        if len(data) > sf.MAX_OBJECT_BYTES:
+            raise CkptfsError(f"a namespace object of {len(data)} bytes is larger than "
+                              f"{sf.MAX_OBJECT_BYTES} (too many xattrs on one inode?)")
+        oid = sf.object_id(data)
+        if oid not in self.objects:
+            if len(self._writes) >= WRITES_IN_FLIGHT:
+                self._writes.popleft().result()
+            self._writes.append(self._pool.submit(self._write_object, oid, data))
+            result.objects_written += 1
+            result.bytes_written += len(data)
+        self.objects[oid] = result.seq
+        return oid
+
+    def _write_object(self, oid: bytes, data: bytes) -> None:
+        with self.backend.writer(sf.object_name(oid)) as w:
+            w.write(data)
+            w.commit()
+
+    def _dir_walk(self, view, ino: int, inode: Inode, name: bytes, result: Published
+                  ) -> _DirWalk:
+        lo, hi = ix.prefix_range(ino)
+        pager = _Pager(lambda d: self._put(d, result), sf.PAGE_ENTRIES, sf.encode_dir_page)
+        return _DirWalk(ino, inode, name, view.items("dirents", lo, hi), pager)
+
+    def _walk(self, view, result: Published) -> None:
+        """Depth first over the durable namespace, no recursion (any depth)."""
+        self._walks += 1
+        root = ix.get_inode(view, ROOT_INO)
+        if root is None:
+            raise CkptfsError("the index has no root directory: nothing to publish")
+        stack = [self._dir_walk(view, ROOT_INO, root, b"", result)]
+        on_stack = {ROOT_INO}
+        while stack:
+            top = stack[-1]
+            item = next(top.items, None)
+            if item is None:
+                stack.pop()
+                on_stack.discard(top.ino)
+                parts, pages = top.pager.finish()
+                oid = self._put(sf.encode_dir(self._attrs(view, top.inode), parts, pages),
+                                result)
+                if stack:
+                    stack[-1].pager.add(sf.fragment(sf.encode_entry(
+                        sf.Entry(top.name, "d", obj=oid))))
+                else:
+                    result.root = oid
+                continue
+            key, value = item
+            name = bytes(key[8:])
+            result.entries += 1
+            try:
+                ino = ix.dirent_decode(value)[0]
+                child = ix.get_inode(view, ino)
+                damage = ("no such inode" if child is None else sf.check_name(name) or (
+                    "a directory inside itself" if ino in on_stack else None))
+                if damage is None and stat.S_ISREG(child.mode):
+                    oid, complete = self._file(view, child, result)
+                    result.files += 1
+                    result.incomplete_files += not complete
+                    top.pager.add(sf.fragment(sf.encode_entry(sf.Entry(name, "f", ino, oid))))
+                    continue
+                if damage is None and not stat.S_ISDIR(child.mode):
+                    top.pager.add(sf.fragment(sf.encode_entry(
+                        sf.Entry(name, "n", ino, attrs=self._attrs(view, child)))))
+                    continue
+            except FormatError as e:
+                damage = str(e)
+            if damage is not None:
+                # Index damage (fsck finds and mends it): described as such, so that
+                # recover names it rather than taking it for deleted.
+                result.skipped += 1
+                log.warning("snapshot %d: entry %r of directory %d is damaged in the index "
+                            "(%s): run ckptfs fsck", result.seq, name, top.ino, damage)
+                top.pager.add(sf.fragment(sf.encode_entry(sf.Entry(name, "x", why=damage))))
+                continue
+            stack.append(self._dir_walk(view, ino, child, name, result))
+            on_stack.add(ino)
+        for ino in [i for i, c in self._files.items() if c.walk != self._walks]:
+            del self._files[ino]             # deleted since: never asked for again
+
+    def _file(self, view, inode: Inode, result: Published) -> tuple[bytes, bool]:
+        """The file's object id and whether all its bytes are in the store."""
+        raw = view.get("inodes", ix.ino_key(inode.ino))
+        cached = self._files.get(inode.ino)
+        # An unchanged inode record (extents change only with its times and size)
+        # gives the same object: if all its bytes were in the store they still
+        # are (chunks in packs stay while extents name them); if not, unless
+        # anything moved into the store since.
+        if cached is not None and cached.raw_inode == raw \
+                and cached.store_state in (b"", self._store_state(view)) \
+                and cached.obj in self.objects and all(p in self.objects for p in cached.pages):
+            for oid in (cached.obj, *cached.pages):
+                self.objects[oid] = result.seq
+            cached.walk = self._walks
+            return cached.obj, not cached.store_state
+        pager = _Pager(lambda d: self._put(d, result), sf.PAGE_EXTENTS, sf.encode_extent_page)
+        complete = True
+        for e in ix.iter_extents(view, inode.ino):
+            chunk = ix.get_chunk(view, e.chunk_no)
+            cid = self.in_store(chunk) if chunk is not None else None
+            complete = complete and cid is not None
+            pager.add(sf.fragment(sf.encode_extent(sf.Extent(e.file_off, e.length, cid,
+                                                             e.chunk_off))))
+        parts, pages = pager.finish()
+        oid = self._put(sf.encode_file(self._attrs(view, inode), parts, pages), result)
+        self._files[inode.ino] = _CachedFile(raw, b"" if complete else self._store_state(view),
+                                             oid, tuple(pages), self._walks)
+        return oid, complete
+
+    @staticmethod
+    def _store_state(view) -> bytes:
+        """Changes whenever a chunk moves into the store (packs are numbered by a
+        counter, and every flip changes the packed-bytes total)."""
+        return b"%d/%d" % (ix.read_counter(view, b"next_pack"),
+                           ix.read_counter(view, b"pack_logical_bytes"))
+
+    @staticmethod
+    def _attrs(view, inode: Inode) -> sf.Attrs:
+        lo, hi = ix.prefix_range(inode.ino)
+        xattrs = [(bytes(k[8:]), bytes(v)) for k, v in view.items("xattrs", lo, hi)]
+        target = b""
+        if stat.S_ISLNK(inode.mode):
+            target = bytes(view.get("symlinks", ix.ino_key(inode.ino)) or b"")
+        return sf.Attrs(inode.mode, inode.uid, inode.gid, inode.atime_ns, inode.mtime_ns,
+                        inode.ctime_ns, size=inode.size, rdev=inode.rdev, target=target,
+                        xattrs=xattrs)
+
+    # ------------------------------------------------------------ collection
+
+    def _collect(self, result: Published) -> None:
+        """Delete heads older than the newest KEEP_HEADS, objects no kept head
+        reaches, and the manifests a head supersedes. May block."""
+        seqs = sorted(s for s in (sf.head_seq_from_name(n) for n in
+                                  self.backend.list(sf.heads_prefix(self.fs_uuid)))
+                      if s is not None)
+        keep = seqs[-KEEP_HEADS:]
+        for s in seqs[:-KEEP_HEADS]:
+            self.backend.delete(sf.head_name(self.fs_uuid, s))
+            result.heads_deleted += 1
+        if not keep:
+            return
+        oldest = keep[0]
+        for s in keep:
+            if s not in self._marked_heads:
+                self._mark_from_store(s, oldest)
+        garbage = [oid for oid, s in self.objects.items() if s < oldest]
+        for oid in garbage:
+            self.backend.delete(sf.object_name(oid))
+            del self.objects[oid]
+        result.objects_deleted = len(garbage)
+        for name in self.backend.list(sf.manifests_prefix(self.fs_uuid)):
+            self.backend.delete(name)
+            result.manifests_deleted += 1
+
+    def _mark_from_store(self, seq: int, oldest: int) -> None:
+        """Mark every object a head written before this mount reaches. Objects
+        already kept by a newer head are skipped with all they reach (a walk
+        marks everything below what it marks). A damaged or missing object is
+        left out; any other error (the store away) gives up this collection."""
+        name = sf.head_name(self.fs_uuid, seq)
+        try:
+            head = sf.decode_head(name, self.fs_uuid, self.backend.read(
+                name, 0, min(self.backend.size(name), sf.MAX_HEAD_BYTES + 1)))
+        except (BlobMissing, sf.BadObject) as e:
+            log.warning("snapshot head %s is unreadable (%s): not kept", name, e)
+            self._marked_heads.add(seq)
+            return
+        todo: list[tuple[bytes, str]] = [(head.root, "dir")]
+        while todo:
+            oid, kind = todo.pop()
+            if self.objects.get(oid, -1) >= oldest:
+                continue
+            self.objects[oid] = max(self.objects.get(oid, 0), seq)
+            if kind == "extpage":
+                continue
+            try:
+                raw = self.backend.read(sf.object_name(oid), 0, min(
+                    self.backend.size(sf.object_name(oid)), sf.MAX_OBJECT_BYTES + 1))
+                if kind == "file":
+                    todo.extend((p, "extpage") for p in sf.decode_file(oid, raw).pages)
+                    continue
+                if kind == "dir":
+                    d = sf.decode_dir(oid, raw)
+                    entries = d.entries
+                    todo.extend((p, "dirpage") for p in d.pages)
+                else:
+                    entries = sf.decode_dir_page(oid, raw)
+            except (BlobMissing, sf.BadObject):
+                continue
+            for e in entries:
+                if isinstance(e, sf.Entry) and e.kind in ("d", "f"):
+                    todo.append((e.obj, "dir" if e.kind == "d" else "file"))
+        self._marked_heads.add(seq)
+
+
+def publish_offline(index: Index, backend: Backend, fs_uuid: bytes) -> Published:
+    """Publish a snapshot from an unmounted filesystem's index (fsck --repair,
+    before it deletes packs an older head may name). May block."""
+    seq = [0]
+
+    def reserve(txn: ix.DirectTxn) -> None:
+        seq[0] = ix.read_counter(txn, b"next_head")
+        txn.put("meta", b"next_head", ix.u64_le(seq[0] + 1))
+
+    index.write_direct(reserve)
+    return Publisher(index, backend, fs_uuid).publish_blocking(seq[0])
