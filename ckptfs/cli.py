@@ -102,7 +102,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ckptfs", description="Operate ckptfs, the checkpoint filesystem.",
         epilog="Exit codes: 0 ok (fsck: clean), 1 failed, 2 usage error, "
-               "3 fsck repaired everything it found, 4 fsck left problems.")
+               "3 fsck repaired everything it found, 4 fsck left problems (or could not "
+               "check the log or the store), recover could not rebuild something (named).")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("mount", help="mount SOURCE on MOUNTPOINT (same as mount.ckptfs)",

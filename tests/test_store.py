@@ -428,3 +428,39 @@ def test_fsck_repair_publishes_a_snapshot_before_deleting_unnamed_packs(tiered, 
     tiered.start()
     assert read_file(tiered.path / "d" / "c.bin") == floats(MiB, 3)
     check_clean(fsck_clean, tiered)
+
+
+def test_index_damage_is_published_as_such_and_named_by_recover(make_mount, fsck_clean):
+    """An entry the index cannot describe (here: naming a missing inode) goes into
+    the snapshot as undescribable, so recover names it instead of taking it for
+    deleted."""
+    from ckptfs import index as ix
+    from ckptfs.backing.local import LocalBackend
+    from ckptfs.index import Index
+    from ckptfs.snapshots import publish_offline
+
+    m = make_mount(options=["pmem_size=64M"])
+    write_file(m.path / "good.bin", floats(MiB, 4))
+    tier_all(m)
+    m.umount()
+    index = Index(str(m.source / ".ckptfs" / "index"))
+    try:
+        def dangle(txn):
+            cookie = ix.read_counter(txn, b"next_cookie")
+            txn.put("meta", b"next_cookie", ix.u64_le(cookie + 1))
+            txn.put("dirents", ix.dirent_key(ix.ROOT_INO, b"ghost"), ix.dirent_value(5555, cookie))
+            txn.put("dirlist", ix.dirlist_key(ix.ROOT_INO, cookie), b"ghost")
+        index.write_direct(dangle)
+        with LocalBackend.open(m.source / ".ckptfs" / "store") as backend:
+            done = publish_offline(index, backend, index.check_format())
+    finally:
+        index.close()
+    assert done.skipped == 1
+    lose_index_and_log(m)
+    res = recover(m)
+    assert res.returncode == 4, res.stdout
+    assert "not recovered: ghost: unreadable in the index" in res.stdout, res.stdout
+    m.start()
+    assert os.listdir(m.path) == ["good.bin"]
+    assert read_file(m.path / "good.bin") == floats(MiB, 4)
+    check_clean(fsck_clean, m)
