@@ -269,7 +269,14 @@ def rank_main(args: argparse.Namespace, name: str, rank: int, world: int, port: 
     if name == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
 
+        # DeepSpeed's fallback where its shared-memory all-reduce op cannot be
+        # built (it is JIT-compiled at first use): collectives through gloo.
+        shm = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if shm is not None:
+            deepspeed.ops.__compatible_ops__[shm.NAME] = False
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
         model = torch_model(args)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)

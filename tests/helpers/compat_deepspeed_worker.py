@@ -122,6 +122,20 @@ def assert_equal(got, want, where: str = "") -> None:
         assert got == want, (where, got, want)
 
 
+def no_shm_comm_op() -> None:
+    """Take DeepSpeed's fallback for a machine that cannot build its shared-memory
+    all-reduce op: that C++ extension is JIT-compiled at the first
+    init_distributed (minutes on 2 busy cores), and a rank killed while
+    compiling leaves a lock that hangs every later start. Collectives then go
+    through gloo; nothing DeepSpeed reads or writes changes."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 def main() -> int:
     rank, world, port, stage = (int(x) for x in sys.argv[1:5])
     mode, ckpt_dir, plain_dir = sys.argv[5:8]
@@ -131,6 +145,7 @@ def main() -> int:
     import deepspeed
     import torch.distributed as dist
 
+    no_shm_comm_op()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     try:
         if mode == "save":
@@ -141,13 +156,14 @@ def main() -> int:
                 torch.save(held_state(engine),
                            os.path.join(plain_dir, f"expected-{tag}-rank{rank}.pt"))
                 if rank == 0:
-                    torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()},
-                               os.path.join(plain_dir, f"weights-{tag}.pt"))
+                    weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+                    torch.save(weights, os.path.join(plain_dir, f"weights-{tag}.pt"))
                 dist.barrier()
         elif mode == "load":
             engine = engine_for(stage, CONFIG["seed"] + 1)
             path, _ = engine.load_checkpoint(ckpt_dir)          # through `latest`
-            assert path is not None and os.path.basename(os.path.dirname(path)) == "global_step4", path
+            tag = os.path.basename(os.path.dirname(path)) if path else None
+            assert tag == "global_step4", path
             want = torch.load(os.path.join(plain_dir, f"expected-global_step4-rank{rank}.pt"),
                               weights_only=False)
             assert_equal(held_state(engine), want, f"rank {rank}")
