@@ -617,7 +617,8 @@ def test_tf_bundle_index_real_checkpoint(tmp_path: Path) -> None:
     import numpy as np
 
     if importlib.util.find_spec("tensorflow") is None:
-        pytest.skip("tensorflow-cpu is not installed (pip install -e '.[test]' installs it)")
+        pytest.skip("tensorflow-cpu is not installed "
+                    "(tools/setup-debian.sh --with-tests installs it)")
     values = tmp_path / "values"
     values.mkdir()
     subprocess.run([sys.executable, "-c", _TF_SAVE, str(tmp_path / "ck"), str(values)],

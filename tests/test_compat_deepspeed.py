@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 if importlib.util.find_spec("deepspeed") is None:
-    pytest.skip("deepspeed is not installed (pip install -e '.[test]' installs it)",
+    pytest.skip("deepspeed is not installed (tools/setup-debian.sh --with-tests installs it)",
                 allow_module_level=True)
 
 torch = pytest.importorskip("torch")

@@ -27,7 +27,7 @@ import pytest
 
 if importlib.util.find_spec("megatron") is None or \
         importlib.util.find_spec("megatron.core") is None:
-    pytest.skip("megatron-core is not installed (pip install -e '.[test]' installs it)",
+    pytest.skip("megatron-core is not installed (tools/setup-debian.sh --with-tests installs it)",
                 allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))

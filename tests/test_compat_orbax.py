@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 if importlib.util.find_spec("jax") is None or importlib.util.find_spec("orbax") is None:
-    pytest.skip("jax and orbax-checkpoint are not installed (pip install -e '.[test]' "
+    pytest.skip("jax and orbax-checkpoint are not installed (tools/setup-debian.sh --with-tests "
                 "installs them)", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 if importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("keras") is None:
-    pytest.skip("tensorflow-cpu is not installed (pip install -e '.[test]' installs it)",
+    pytest.skip("tensorflow-cpu is not installed (tools/setup-debian.sh --with-tests installs it)",
                 allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
