@@ -22,8 +22,8 @@ from typing import Optional
 import trio
 
 from . import index as ix
-from .errors import (BadFileHandle, CkptfsError, DamagedData, FormatError, InvalidArgument,
-                     IsADirectory, NoSpace, ReadOnly)
+from .errors import (BadFileHandle, CkptfsError, DamagedData, FormatError, IndexFull,
+                     InvalidArgument, IsADirectory, NoSpace, ReadOnly)
 from .files import DirtyFile, FileData, SourceFiles, WritePlan
 from .index import Index, Inode
 from .namespace import Namespace
@@ -32,6 +32,8 @@ from .pmemlog import SUPERBLOCK_BYTES, PmemLog
 log = logging.getLogger(__name__)
 
 SMALL_IO_BYTES = 64 * 1024
+# What creating a name may add to the index: inode, entry, listing entry.
+NODE_GROWTH_BYTES = 4 * ix.GROWTH_PER_RECORD_BYTES
 
 
 @dataclass
@@ -137,7 +139,13 @@ class Filesystem:
         for ino in self.ns.orphans():
             self._purge(ino)
         self.index.set_clean(True)
-        await self.index.wait_durable(self.index.current_seq())
+        try:
+            await self.index.wait_durable(self.index.current_seq())
+        except IndexFull as e:
+            # The committer keeps trying a while after stop(); what it cannot
+            # commit is lost as in a crash (the index stays marked unclean).
+            log.error("unmounting while the index has no room (%s): the last changes "
+                      "may not be durable", e)
 
     @staticmethod
     def now_ns() -> int:
@@ -214,12 +222,14 @@ class Filesystem:
 
     def make_node(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
                   rdev: int = 0, target: Optional[bytes] = None) -> Attrs:
+        self.index.admit(NODE_GROWTH_BYTES + len(name) + len(target or b""))
         inode = self.ns.create(parent, name, mode, uid, gid, self.now_ns(), rdev=rdev,
                                target=target)
         self.count_lookup(inode.ino)
         return self.attrs(inode.ino)
 
     def link(self, ino: int, parent: int, name: bytes) -> Attrs:
+        self.index.admit(NODE_GROWTH_BYTES + len(name))
         inode = self.ns.link(ino, parent, name, self.now_ns())
         self.count_lookup(inode.ino)
         return self.attrs(ino)
@@ -297,6 +307,8 @@ class Filesystem:
                 break
             await df.committing.wait()      # a commit is cutting this file's chunks
         try:
+            # Its commit will need index room: say ENOSPC now, as a full disk does.
+            self.index.check_room()
             try:
                 plan = self.files.prepare_write(df, off, len(data))
             except NoSpace:
@@ -310,7 +322,8 @@ class Filesystem:
         except CkptfsError as e:
             # A file that lost a write must not commit half of its new content.
             df.write_error = e
-            if isinstance(e, NoSpace) and time.monotonic() - self._log_full_warned_at > 60:
+            if isinstance(e, NoSpace) and not isinstance(e, IndexFull) \
+                    and time.monotonic() - self._log_full_warned_at > 60:
                 self._log_full_warned_at = time.monotonic()
                 log.warning("log full (%d of %d bytes free): writes fail with ENOSPC until "
                             "files are deleted", self.log.free_bytes, self.log.capacity_bytes)
@@ -463,6 +476,12 @@ class Filesystem:
             inode = self.ns.get(ino)
             if inode.nlink == 0:
                 return self.index.current_seq()     # unlinked while cutting
+        try:
+            self.index.admit(self.files.commit_growth_bytes(df))
+        except IndexFull:
+            # No room to commit it: the file keeps its last committed content.
+            self.files.discard(df)
+            raise
         self.files.commit_file(df, inode, self.now_ns())
         return self.index.current_seq()
 

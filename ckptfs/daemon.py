@@ -175,6 +175,7 @@ def open_state(opts: MountOptions, attempt: Optional[Attempt] = None) -> State:
         plog = open_log(opts, fs_uuid, has_hot_data, attempt)
         undo.callback(plog.close)
         remember_log_path(index, opts)
+        index.keep_reserve()
         backend = open_backing(opts, index, fs_uuid, attempt) if opts.tiering else None
         if backend is not None:
             undo.callback(backend.close)
@@ -526,12 +527,14 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
             finally:
                 with trio.CancelScope(shield=True):
-                    if fs.tierer is not None:
-                        await fs.tierer.stop()
-                    await fs.shutdown()
-                    if fs.tierer is not None:
-                        await fs.tierer.publish_at_unmount()
-                    fs.index.stop()
+                    try:
+                        if fs.tierer is not None:
+                            await fs.tierer.stop()
+                        await fs.shutdown()
+                        if fs.tierer is not None:
+                            await fs.tierer.publish_at_unmount()
+                    finally:
+                        fs.index.stop()     # else the committer would wait forever
                 inner.cancel_scope.cancel()
 
 

@@ -90,6 +90,11 @@ class NoSpace(CkptfsError):
     errno = errno.ENOSPC
 
 
+class IndexFull(NoSpace):
+    """The filesystem holding the index has no room for this change. Changes
+    that free index space (unlink, rmdir, truncate) still go through."""
+
+
 class ReadOnly(CkptfsError):
     """The filesystem stopped accepting changes after an index failure."""
 

@@ -1002,6 +1002,15 @@ class FileData:
         df.mtime_ns = df.ctime_ns = None
         return inode
 
+    @staticmethod
+    def commit_growth_bytes(df: DirtyFile) -> int:
+        """The most `commit_file` of df may add to the index: a record per extent
+        and per new chunk (with its id and log map entries), and the inode."""
+        if not df.extents:
+            return 0            # a truncation or new times only: nothing grows
+        records = len(df.extents) + 3 * len(df.new_chunks)
+        return ix.GROWTH_PER_FILE_COMMIT_BYTES + records * ix.GROWTH_PER_RECORD_BYTES
+
     def _committed_twins(self, df: DirtyFile) -> dict[int, int]:
         """New chunks whose bytes another file committed since they were cut:
         use the stored chunk and give this copy back."""

@@ -73,6 +73,20 @@ order; little-endian in values):
     orphans   ino -> b"" for inodes unlinked while still open; purged at
               last close, or at the next mount after a crash
 
+Room (docs/OPERATIONS.md, "the index disk fills"): LMDB grows its file as
+the index grows, and a commit that finds no room on that disk fails. While
+mounted, the index keeps a reserve of space preallocated past the end of its
+data (RESERVE_*): LMDB writes its new pages there, so a commit does not need
+the disk to have room at that moment. Changes that grow the index are
+admitted only while the reserve can take them (`admit`, `check_room`:
+IndexFull, ENOSPC, otherwise); changes that free space are always admitted
+and commit from what is left. A batch that still finds no room is kept and
+retried (never dropped: the overlay, the counters and the log allocator
+already include it) until room comes back; meanwhile everything that waits
+for durability gets IndexFull. Any other commit failure turns the filesystem
+read-only: a failed persist of log data cannot be retried safely (the kernel
+may have dropped the pages it could not write).
+
 Concurrency contract: reads and writes are called on the trio thread only.
 Writes go to an in-memory batch (overlaid on LMDB for every read, so the
 namespace is consistent at once); the committer task writes whole batches in
@@ -82,6 +96,7 @@ ranges the batch references. A batch is atomic; batches are durable in order.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -95,7 +110,7 @@ import trio
 from sortedcontainers import SortedDict
 
 from .chunker import MAX_CHUNK_BYTES
-from .errors import DamagedData, FormatError, IndexFailure, NoSpace, ReadOnly
+from .errors import DamagedData, FormatError, IndexFailure, IndexFull, NoSpace, ReadOnly
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +141,23 @@ ID_COUNTERS = (b"next_ino", b"next_chunk", b"next_cookie", b"next_pack", b"next_
 # Totals over the chunk table; add_chunk/delete_chunk/move_chunk keep them exact.
 STAT_COUNTERS = (b"chunks", b"stored_log_bytes", b"stored_source_bytes", b"stored_pack_bytes",
                  b"pack_logical_bytes")
+
+# The reserve of room for the index's growth (see the module docstring): an
+# eighth of the index's size, within these bounds. Growing changes are refused
+# once less than half of it is left, so that the other half takes the commits
+# that free space (LMDB copies every page it changes, even to delete).
+RESERVE_MIN_BYTES = 4 << 20
+RESERVE_MAX_BYTES = 256 << 20
+RESERVE_FRACTION = 8
+RESERVE_STEP_BYTES = 1 << 20          # preallocation step when the disk is nearly full
+ROOM_POLL_S = 1.0                     # how often a full index looks for room coming back
+STALL_RETRY_MAX_S = 2.0               # longest wait between retries of a batch without room
+UNMOUNT_RETRY_S = 10.0                # an unmount waits this long for room before giving up
+# What a change may add to the index at most, per record it writes (a record
+# plus its share of half-full B-tree pages and of the pages copied on the way),
+# and per commit of a file (the paths of pages copied in a dozen sub-databases).
+GROWTH_PER_RECORD_BYTES = 512
+GROWTH_PER_FILE_COMMIT_BYTES = 4096
 
 _U64 = struct.Struct(">Q")
 _U64x2 = struct.Struct(">QQ")
@@ -275,6 +307,8 @@ class Batch:
     persist_ranges: list[tuple[int, int]] = field(default_factory=list)
     after_durable: list[Callable[[], None]] = field(default_factory=list)
     opened_at: Optional[float] = None      # when its first change arrived
+    promised_bytes: int = 0                # index growth admitted into it (`Index.admit`)
+    persisted: bool = False                # its log ranges are durable (a retry skips them)
 
     def is_empty(self) -> bool:
         return not self.ops and not self.after_durable
@@ -313,6 +347,130 @@ class Index:
         self.on_commit: Optional[Callable[[float], None]] = None   # metrics: seconds per batch
         self.counters: dict[bytes, int] = {}
         self._load_counters()
+        # Room for growth; None until `keep_reserve` (fsck and recover keep none).
+        self.room_bytes: Optional[int] = None
+        self.reserve_target_bytes = 0
+        self.stalled: Optional[BaseException] = None   # the batch in commit finds no room
+        self._promised_total = 0          # admitted growth not yet committed
+        self._data_fd = -1
+        self._full_since: Optional[float] = None
+
+    # ------------------------------------------------------------------ room
+
+    def keep_reserve(self) -> None:
+        """Keep room for the index's growth preallocated from now on. May block.
+
+        Also allocates LMDB's lock file: it is mapped and written through the
+        mapping, and a page of it that the disk cannot back would kill the
+        daemon (SIGBUS) on a full disk.
+        """
+        lock_path = os.path.join(self.path, "lock.mdb")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+        except OSError as e:
+            log.warning("could not allocate %s (%s): a full disk may stop the daemon",
+                        lock_path, e.strerror)
+        finally:
+            os.close(fd)
+        self._data_fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR | os.O_CLOEXEC)
+        self.room_bytes = self._refill_reserve()
+
+    def _refill_reserve(self) -> int:
+        """Measure the room for growth: pages LMDB has freed inside its file plus
+        the space preallocated past its end, preallocating up to the target
+        when a quarter of it is used. Returns the room. May block."""
+        psize = self.env.stat()["psize"]
+        used = (self.env.info()["last_pgno"] + 1) * psize
+        target = min(max(used // RESERVE_FRACTION, RESERVE_MIN_BYTES), RESERVE_MAX_BYTES)
+        self.reserve_target_bytes = target
+        size = os.fstat(self._data_fd).st_size
+        # Pages freed inside the file count too, but only matter when the room
+        # past its end runs short (counting them takes a look at every table).
+        inside = self._free_pages() * psize if size - used < target * 3 // 4 else 0
+        want = target - (size - used) - inside
+        step = want
+        while want > target // 4:
+            n = min(step, want)
+            try:
+                os.posix_fallocate(self._data_fd, size, n)
+            except OSError:
+                if n <= RESERVE_STEP_BYTES // 4:
+                    break           # the disk is full: keep what there is
+                step = RESERVE_STEP_BYTES if n > RESERVE_STEP_BYTES else n // 2
+                continue
+            size += n
+            want -= n
+        return max(os.fstat(self._data_fd).st_size - used, 0) + inside
+
+    def _free_pages(self) -> int:
+        """Pages inside LMDB's file that no sub-database uses (freed by earlier
+        commits; LMDB reuses them before it grows the file)."""
+        in_use = 2                                      # the two meta pages
+        with self.env.begin() as txn:
+            for st in [self.env.stat()] + [txn.stat(db) for db in self._dbs.values()]:
+                in_use += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        return max(self.env.info()["last_pgno"] + 1 - in_use, 0)
+
+    def _room_left(self) -> int:
+        return (self.room_bytes or 0) - self._promised_total - self.reserve_target_bytes // 2
+
+    def _disk_free_bytes(self) -> int:
+        """Free space on the index's disk (as this process may use it). While
+        mounted through the fd opened before the mount: the path may lead
+        through the mount itself."""
+        st = os.fstatvfs(self._data_fd) if self._data_fd >= 0 else os.statvfs(self.path)
+        return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+
+    def _has_room(self, nbytes: int) -> bool:
+        """Room for nbytes more growth: in the reserve, or on the disk beyond a
+        whole reserve (the next commit preallocates it)."""
+        if self._room_left() >= nbytes:
+            return True
+        short = nbytes - self._room_left()
+        return self._disk_free_bytes() >= short + self.reserve_target_bytes
+
+    @property
+    def full(self) -> bool:
+        """No room for changes that grow the index (they get IndexFull)."""
+        return self.stalled is not None or (self.room_bytes is not None and
+                                            not self._has_room(GROWTH_PER_FILE_COMMIT_BYTES))
+
+    def check_room(self) -> None:
+        """Raise IndexFull while changes that grow the index are refused. Trio thread."""
+        if self.full:
+            self._note_full()
+            raise IndexFull(self._full_message())
+
+    def admit(self, nbytes: int) -> None:
+        """Admit a change that grows the index by up to nbytes into the open batch,
+        or raise IndexFull (nothing admitted). Trio thread."""
+        if self.room_bytes is None:
+            return
+        if self.stalled is not None or not self._has_room(nbytes):
+            self._note_full()
+            raise IndexFull(self._full_message())
+        self._open.promised_bytes += nbytes
+        self._promised_total += nbytes
+
+    def _full_message(self) -> str:
+        if self.stalled is not None:
+            return f"the index could not commit: {self.stalled}"
+        return (f"no room for the index in {self.path}: {max(self.room_bytes or 0, 0)} bytes "
+                f"of its reserve left, {self.reserve_target_bytes // 2} kept for deletes")
+
+    def _note_full(self) -> None:
+        if self._full_since is None:
+            self._full_since = time.monotonic()
+            log.warning("index disk full (%s): new files and writes get ENOSPC, deleting "
+                        "files still works; ckptfs goes on by itself once the disk has room",
+                        self._full_message())
+
+    def _note_room(self) -> None:
+        if self._full_since is not None and not self.full:
+            log.warning("index has room again after %.0f s: writes are accepted again",
+                        time.monotonic() - self._full_since)
+            self._full_since = None
 
     # ----------------------------------------------------------------- setup
 
@@ -537,6 +695,9 @@ class Index:
         while self.durable_seq < seq:
             if self.failure is not None:
                 raise IndexFailure(f"commit failed: {self.failure}")
+            if self.stalled is not None:
+                # Kept, and committed once there is room: not durable now.
+                raise IndexFull(f"{self._full_message()}; the changes wait for room")
             await self._durable_changed.wait()
         if self.failure is not None and self.durable_seq < seq:
             raise IndexFailure(f"commit failed: {self.failure}")
@@ -554,7 +715,17 @@ class Index:
             if self._open.is_empty():
                 if self._stopping:
                     return
-                await self._work.wait()
+                if self.full and self.room_bytes is not None:
+                    # Nothing to commit and growth refused: look for room coming back.
+                    with trio.move_on_after(ROOM_POLL_S):
+                        await self._work.wait()
+                    if not self._work.is_set():
+                        self.room_bytes = await trio.to_thread.run_sync(
+                            self._refill_reserve, limiter=limiter)
+                        self._note_room()
+                        continue
+                else:
+                    await self._work.wait()
                 self._work = trio.Event()
                 continue
             if not self._stopping and self._wanted_seq < self._open.seq and idle_delay_s > 0:
@@ -570,8 +741,7 @@ class Index:
             self._committing = batch
             started = time.monotonic()
             try:
-                await trio.to_thread.run_sync(self._write_batch, batch, persist,
-                                              limiter=limiter)
+                room = await self._commit_until_room(batch, persist, limiter)
             except BaseException as e:  # noqa: BLE001 - any failure makes us read-only
                 if isinstance(e, trio.Cancelled):
                     raise
@@ -584,6 +754,11 @@ class Index:
             self._renew_read_txn()
             self._committing = None
             self.durable_seq = batch.seq
+            self._promised_total -= batch.promised_bytes
+            if room is not None:
+                self.room_bytes = room
+            self.stalled = None
+            self._note_room()
             elapsed = time.monotonic() - started
             self.commits += 1
             self.commit_seconds_total += elapsed
@@ -594,6 +769,40 @@ class Index:
             self._durable_changed.set()
             self._durable_changed = trio.Event()
 
+    async def _commit_until_room(self, batch: Batch,
+                                 persist: Callable[[list[tuple[int, int]]], None],
+                                 limiter: trio.CapacityLimiter) -> Optional[int]:
+        """Commit batch, retrying while its disk has no room; return the room after it.
+
+        Retrying is safe: LMDB aborted the failed transaction, so the durable
+        index is still the one before this batch, and nothing newer commits
+        first. Raises what cannot be retried, and IndexFull when unmounting
+        after UNMOUNT_RETRY_S without room.
+        """
+        delay = 0.05
+        give_up_at = None
+        while True:
+            try:
+                return await trio.to_thread.run_sync(self._write_batch, batch, persist,
+                                                     limiter=limiter)
+            except IndexFull as e:
+                if self.stalled is None:
+                    log.warning("index commit of batch %d found no room (%s): it is kept and "
+                                "retried; meanwhile fsync and close get ENOSPC", batch.seq, e)
+                self.stalled = e
+                self._note_full()
+                self._durable_changed.set()        # waiters learn it now
+                self._durable_changed = trio.Event()
+                if self._stopping:
+                    give_up_at = give_up_at or time.monotonic() + UNMOUNT_RETRY_S
+                    if time.monotonic() > give_up_at:
+                        raise
+            await trio.sleep(delay)
+            delay = min(delay * 2, STALL_RETRY_MAX_S)
+            if self.room_bytes is not None:
+                self.room_bytes = await trio.to_thread.run_sync(self._refill_reserve,
+                                                                limiter=limiter)
+
     def stop(self) -> None:
         """Let run_committer return once everything pending is durable."""
         self._stopping = True
@@ -601,12 +810,18 @@ class Index:
         self._urgent.set()
 
     def _write_batch(self, batch: Batch, persist: Callable[[list[tuple[int, int]]], None]
-                     ) -> None:
-        """Worker thread: persist log data, then one durable LMDB transaction."""
-        if batch.persist_ranges:
+                     ) -> Optional[int]:
+        """Worker thread: persist log data, then one durable LMDB transaction.
+
+        Returns the room left for growth afterwards (None without a reserve).
+        Raises IndexFull when the index's disk had no room (the transaction
+        was aborted: it may be retried), anything else when it may not.
+        """
+        if batch.persist_ranges and not batch.persisted:
             persist(batch.persist_ranges)
+            batch.persisted = True
         if not batch.ops:
-            return
+            return None
         try:
             with self.env.begin(write=True) as txn:
                 for db_name, layer in batch.ops.items():
@@ -617,7 +832,29 @@ class Index:
                         else:
                             txn.put(k, v, db=db)
         except lmdb.MapFullError as e:
-            raise NoSpace("index map is full") from e
+            raise IndexFull("index map is full") from e
+        except lmdb.Error as e:      # DiskError for ENOSPC, Error for a short write's EIO
+            if self._no_room(e):
+                raise IndexFull(str(e)) from e
+            raise
+        if self.room_bytes is None:
+            return None
+        try:
+            return self._refill_reserve()
+        except OSError as e:
+            log.warning("could not measure the index's room: %s", e)
+            return self.room_bytes
+
+    def _no_room(self, e: lmdb.Error) -> bool:
+        """Did this commit fail for lack of room on the index's disk? LMDB says
+        so, or says EIO for the short write a full disk gives (checked against
+        what the disk has left)."""
+        msg = str(e)
+        if any(os.strerror(code) in msg for code in (errno.ENOSPC, errno.EDQUOT)):
+            return True
+        if os.strerror(errno.EIO) in msg:
+            return self._disk_free_bytes() < max(self.reserve_target_bytes, RESERVE_MIN_BYTES)
+        return False
 
     def _renew_read_txn(self) -> None:
         self._rtxn.abort()
@@ -628,12 +865,17 @@ class Index:
         self._rtxn.abort()
         self.env.sync(True)
         self.env.close()
+        if self._data_fd >= 0:
+            os.close(self._data_fd)
+            self._data_fd = -1
 
     def stats(self) -> dict[str, int]:
         info = self.env.info()
         st = self.env.stat()
         return {"index_map_bytes": info["map_size"],
-                "index_used_bytes": (info["last_pgno"] + 1) * st["psize"]}
+                "index_used_bytes": (info["last_pgno"] + 1) * st["psize"],
+                "index_room_bytes": self.room_bytes,
+                "index_full": self.full}
 
 
 class DirectTxn:

@@ -378,6 +378,7 @@ class Namespace:
             raise NotSupported("default POSIX ACLs are not supported")
         else:
             self._check_xattr_room(ino, name, value)
+            self.index.admit(ix.GROWTH_PER_RECORD_BYTES + 2 * (len(name) + len(value)))
             self.index.put("xattrs", ix.xattr_key(ino, name), value)
         inode.ctime_ns = now_ns
         self.put(inode)

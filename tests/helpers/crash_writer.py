@@ -1,6 +1,7 @@
 """A checkpoint writer for the crash tests: writes until it is killed, keeps a journal.
 
     python crash_writer.py TOP SUBDIR JOURNAL SEED [--lazy] [--max-bytes N] [--steps N]
+                           [--keep-going]
 
 Writes into TOP/SUBDIR (a directory it creates, on the mount) checkpoint-like files of
 4 KiB..32 MiB of seeded random bytes, the way training jobs do: new files,
@@ -22,12 +23,16 @@ With --lazy (for -o sync=lazy, where close alone is not durable) the writer
 calls os.fsync before most closes and journals "committed" only then; the other
 closes are journaled as "closed". Paths are
 relative to the mount's top. The writer stops at the first error (the daemon
-died under it); the test kills it anyway.
+died under it); the test kills it anyway. With --keep-going a step that fails
+with ENOSPC is left as it is in the journal (its "begin" without a "committed":
+old or new content, whole) and the writer goes on; any other error ends it
+with exit code 3 and the error on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import os
 import random
@@ -177,13 +182,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lazy", action="store_true", help="fsync before most closes (sync=lazy)")
     p.add_argument("--max-bytes", type=int, default=32 * MiB)
     p.add_argument("--steps", type=int, default=0, help="stop after N steps (0: until killed)")
+    p.add_argument("--keep-going", action="store_true", help="go on after ENOSPC")
     args = p.parse_args(argv)
     w = Writer(args.top, args.subdir, Journal(args.journal), random.Random(args.seed),
                args.lazy, args.max_bytes)
     os.makedirs(w.path(args.subdir), exist_ok=True)
     n = 0
     while not args.steps or n < args.steps:
-        w.step()
+        try:
+            w.step()
+        except OSError as e:
+            if not args.keep_going:
+                raise
+            if e.errno != errno.ENOSPC:
+                print(f"crash_writer: {e!r}", file=sys.stderr, flush=True)
+                return 3
+            time.sleep(0.02)            # a full disk: try again in a moment
         n += 1
     return 0
 
