@@ -110,7 +110,7 @@ import trio
 from sortedcontainers import SortedDict
 
 from .chunker import MAX_CHUNK_BYTES
-from .errors import DamagedData, FormatError, IndexFailure, IndexFull, NoSpace, ReadOnly
+from .errors import DamagedData, FormatError, IndexFailure, IndexFull, ReadOnly
 
 log = logging.getLogger(__name__)
 
