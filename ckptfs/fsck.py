@@ -31,12 +31,14 @@ from tqdm import tqdm
 
 from . import index as ix
 from .daemon import backing_root, ckptfs_mounts, lock_source, log_path
-from .errors import BackingReadOnly, CkptfsError, DamagedData, FormatError, OperationFailed
+from .errors import (BackingReadOnly, BlobMissing, CkptfsError, DamagedData, FormatError,
+                     OperationFailed)
 from . import packs
 from .backing.base import Backend
 from .backing import open_backend
 from .index import (CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, ROOT_INO, Chunk, DirectTxn, Extent,
                     Index, Inode)
+from . import snapshot_format as sf
 from .namespace import NAME_MAX, STATE_DIR_NAME
 from .options import parse_options
 from .chunker import chunk_id
@@ -68,6 +70,7 @@ class Fsck:
     store_problem: Optional[str] = None    # why the backing store is not reachable, if so
     findings: list[Finding] = field(default_factory=list)
     blobs_to_delete: list[str] = field(default_factory=list)   # after a snapshot (repair)
+    publish_needed: bool = False                               # a snapshot after the repair
     # What the scans saw, shared by the checks.
     inodes: dict[int, Inode] = field(default_factory=dict)
     chunks: dict[int, Chunk] = field(default_factory=dict)
@@ -88,7 +91,8 @@ class Fsck:
         for check in (self.check_reachable, self.check_root, self.check_dirents,
                       self.check_link_counts, self.check_chunk_records, self.check_extents,
                       self.check_refcounts, self.check_logmap,
-                      self.check_chunk_ids, self.check_packs, self.check_side_tables,
+                      self.check_chunk_ids, self.check_packs, self.check_snapshots,
+                      self.check_side_tables,
                       self.check_counters, self.check_data):
             check()
 
@@ -423,6 +427,42 @@ class Fsck:
             self.problem("packs", f"{blob} is named by nothing (dead pack)",
                          self._delete_blob_later(blob))
 
+    def check_snapshots(self) -> None:
+        """The newest snapshot head in the store reads and names a readable root
+        directory (the rest of its tree is recover's to check), and the index's
+        head counter is above every head: else the next snapshot would sort
+        before an older one and recover would take the older."""
+        if self.backend is None:
+            return                      # check_reachable said what was not checked
+        fs_uuid = self.index.check_format()
+        try:
+            names = self.backend.list(sf.heads_prefix(fs_uuid))
+        except CkptfsError as e:
+            self.problem("snapshots", f"not checked: cannot list the snapshot heads: {e}")
+            return
+        seqs = sorted(s for s in map(sf.head_seq_from_name, names) if s is not None)
+        if not seqs:
+            return                      # none published yet: nothing to check
+        counter = self.index.counters.get(b"next_head", 0)
+        if counter <= seqs[-1]:
+            self.problem("snapshots", f"next_head is {counter} but the store holds snapshot "
+                         f"{seqs[-1]}", _put("meta", b"next_head", ix.u64_le(seqs[-1] + 1)))
+        name = sf.head_name(fs_uuid, seqs[-1])
+        try:
+            head = sf.decode_head(name, fs_uuid, _read_limited(self.backend, name,
+                                                               sf.MAX_HEAD_BYTES))
+            root = sf.object_name(head.root)
+            sf.decode_dir(head.root, _read_limited(self.backend, root, sf.MAX_OBJECT_BYTES))
+        except (BlobMissing, sf.BadObject) as e:
+            self.problem("snapshots", f"the newest snapshot ({seqs[-1]}) is unusable: {e} "
+                         "(recover would build nothing; --repair publishes a new one)",
+                         self._publish_after_repair())
+
+    def _publish_after_repair(self) -> Repair:
+        def fix(txn: DirectTxn) -> None:
+            self.publish_needed = True
+        return fix
+
     def _delete_blob_later(self, name: str) -> Repair:
         """A pack no index record names may still be named by the newest snapshot
         head: it is deleted after the repair, once a new snapshot is published."""
@@ -659,10 +699,18 @@ def _delete_after_snapshot(index: Index, backend: Backend, fs_uuid: bytes, names
         for name in names:
             backend.delete(name)
     except CkptfsError as e:
-        print(f"problem [packs] not deleted ({len(names)} packs nothing names): no snapshot "
-              f"could be published first: {e}", file=out)
-        return len(names)
+        print(f"problem [snapshots] no snapshot could be published: {e}"
+              + (f" ({len(names)} packs nothing names are not deleted)" if names else ""),
+              file=out)
+        return max(len(names), 1)
     return 0
+
+
+def _read_limited(backend: Backend, name: str, limit: int) -> bytes:
+    size = backend.size(name)
+    if size > limit:
+        raise sf.BadObject(f"{name}: {size} bytes, more than the {limit} it may have")
+    return backend.read(name, 0, size)
 
 
 def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
@@ -721,7 +769,7 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
         if repair and fixable:
             index.write_direct(lambda txn: [f.repair(txn) for f in fixable])
             repaired = len(fixable)
-            if checker.blobs_to_delete:
+            if checker.blobs_to_delete or checker.publish_needed:
                 repaired -= _delete_after_snapshot(index, backend, fs_uuid,
                                                    checker.blobs_to_delete, out)
             print(f"repaired {repaired} of {len(checker.findings)} problems", file=out)

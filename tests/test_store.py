@@ -464,3 +464,44 @@ def test_index_damage_is_published_as_such_and_named_by_recover(make_mount, fsck
     assert os.listdir(m.path) == ["good.bin"]
     assert read_file(m.path / "good.bin") == floats(MiB, 4)
     check_clean(fsck_clean, m)
+
+
+def test_fsck_finds_an_unusable_newest_snapshot_and_publishes_a_new_one(make_mount,
+                                                                      fsck_clean):
+    m = make_mount(options=["pmem_size=64M"])
+    write_file(m.path / "f.bin", floats(MiB, 5))
+    tier_all(m)
+    m.umount()
+    store = store_of(m)
+    path, _ = store.newest_head()
+    path.write_bytes(path.read_bytes()[:-30])
+    res = m.fsck()
+    assert res.returncode == 4 and "[snapshots]" in res.stdout, res.stdout
+    res = m.fsck("--repair")
+    assert res.returncode == 3 and "published snapshot" in res.stdout, res.stdout
+    assert m.fsck().returncode == 0
+    lose_index_and_log(m)
+    assert recover(m).returncode == 0
+    m.start()
+    assert read_file(m.path / "f.bin") == floats(MiB, 5)
+    check_clean(fsck_clean, m)
+
+
+def test_fsck_raises_a_head_counter_below_the_store_heads(make_mount):
+    """An index restored from an older copy must not number its next snapshot
+    below one already in the store (recover would take the older state)."""
+    from ckptfs import index as ix
+    from ckptfs.index import Index
+    m = make_mount(options=["pmem_size=64M"])
+    write_file(m.path / "f.bin", b"x" * 1000)
+    tier_all(m)
+    m.umount()
+    index = Index(str(m.source / ".ckptfs" / "index"))
+    try:
+        index.write_direct(lambda txn: txn.put("meta", b"next_head", ix.u64_le(0)))
+    finally:
+        index.close()
+    res = m.fsck()
+    assert res.returncode == 4 and "next_head is 0" in res.stdout, res.stdout
+    assert m.fsck("--repair").returncode == 3
+    assert m.fsck().returncode == 0
