@@ -505,3 +505,32 @@ def test_fsck_raises_a_head_counter_below_the_store_heads(make_mount):
     assert res.returncode == 4 and "next_head is 0" in res.stdout, res.stdout
     assert m.fsck("--repair").returncode == 3
     assert m.fsck().returncode == 0
+
+
+def test_a_store_from_before_snapshots_gets_one_and_loses_its_manifests(make_mount,
+                                                                        fsck_clean):
+    """A filesystem whose store holds only per-file manifests (written by the
+    previous version) mounts as before; its first pass publishes a snapshot and
+    the manifests go."""
+    m = make_mount(options=["pmem_size=64M"])
+    write_file(m.path / "old.bin", floats(MiB, 6))
+    tier_all(m)
+    m.umount()
+    store = store_of(m)
+    store.to_legacy()
+    manifests = store.root / "manifests"
+    assert any(p.is_file() for p in manifests.rglob("*"))
+    m.start()
+    assert read_file(m.path / "old.bin") == floats(MiB, 6)
+    write_file(m.path / "new.bin", floats(MiB, 7))
+    tier_all(m)
+    m.umount()
+    assert not any(p.is_file() for p in manifests.rglob("*"))
+    assert store.head_paths()
+    check_clean(fsck_clean, m)
+    lose_index_and_log(m)
+    assert recover(m).returncode == 0
+    m.start()
+    assert sorted(os.listdir(m.path)) == ["new.bin", "old.bin"]
+    assert read_file(m.path / "new.bin") == floats(MiB, 7)
+    check_clean(fsck_clean, m)
