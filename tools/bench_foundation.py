@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
-"""Foundation benchmark (issue 2): ckptfs against the raw directory and bindfs.
+"""Foundation benchmark (issue 2): ckptfs against the raw directory, bindfs and minfs.
 
     python tools/bench_foundation.py --dir /var/tmp/ckbench --reps 3 [--quick]
         [--json out.json] [--profile DIR]
 
-Runs as root (mounts, drop_caches). Four targets, all on the same disk:
+Runs as root (mounts, drop_caches). Five targets, all on the same disk:
 
   raw           a plain directory under --dir
   bindfs        `bindfs -f -o big_writes SRC MNT` (a C FUSE passthrough; libfuse 2,
                 so 128 KiB requests at most and no writeback cache)
+  minfs         the bare pyfuse3 + trio daemon ../shared/tools/minfs.py (--minfs):
+                one flat directory, data in one store file (pwrite backend,
+                writeback cache, read-ahead raised as ckptfs raises it): the
+                ceiling of any pyfuse3 filesystem here. It has no directories
+                and forgets its files when unmounted, so it runs only the
+                workloads that need neither (write_8k, sync_file)
   ckptfs-close  mount.ckptfs SRC SRC -o pmem_size=...,sync=close (log in SRC/.ckptfs)
   ckptfs-lazy   the same with sync=lazy
 
@@ -23,6 +29,15 @@ Workloads (full sizes; --quick shrinks them):
   torch_save    torch.save of a ~1 GB state dict of 32 float32 tensors, as users call
                 it: no fsync (an fsync right after is timed separately, for information)
   torch_load    torch.load(weights_only=True) after unmount, drop caches, remount
+  sync_file     stress-ng's sync-file stressor (0.15.06): a 64 MiB file, created and
+                unlinked, then per bogo op three times: ftruncate to 0, fdatasync,
+                fallocate 64 MiB (where fallocate is not supported - every FUSE target
+                here - stress-ng writes the 64 MiB as zeros in 8 KiB writes instead),
+                then sync_file_range over forward, reverse and random 128 KiB ranges
+                with a random mode. Measured twice: `sync_file` re-enacts those calls
+                from this script on every target (minfs has no directories for
+                stress-ng's temp dir); `stress_sync_file` runs
+                `stress-ng --sync-file 1 --sync-file-bytes 64M --timeout Ns` itself
 
 Every (rep, workload, target) gets a fresh directory (and a fresh ckptfs log). Reps
 are interleaved: rep 1 of every workload on every target, then rep 2, ...; within a
@@ -45,9 +60,13 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import platform
+import random
+import re
 import shutil
 import signal
 import statistics
@@ -83,6 +102,7 @@ class Sizes:
     torch_tensors: int
     rss_bytes: int
     pmem_size: str
+    sync_file_s: float = 20.0
 
 
 FULL = Sizes(seq_bytes=2 * GiB, seq_block=1 * MiB, small_bytes=64 * MiB, small_block=8 * KiB,
@@ -90,11 +110,18 @@ FULL = Sizes(seq_bytes=2 * GiB, seq_block=1 * MiB, small_bytes=64 * MiB, small_b
              rss_bytes=4 * GiB, pmem_size="6G")
 QUICK = Sizes(seq_bytes=256 * MiB, seq_block=1 * MiB, small_bytes=16 * MiB, small_block=8 * KiB,
               files=500, file_bytes=4 * KiB, torch_bytes=200_000_000, torch_tensors=24,
-              rss_bytes=1 * GiB, pmem_size="2G")
+              rss_bytes=1 * GiB, pmem_size="2G", sync_file_s=6.0)
 
-TARGETS = ("raw", "bindfs", "ckptfs-close", "ckptfs-lazy")
+TARGETS = ("raw", "bindfs", "minfs", "ckptfs-close", "ckptfs-lazy")
 CKPTFS_TARGETS = ("ckptfs-close", "ckptfs-lazy")
-WORKLOADS = ("seq", "write_8k", "small_files", "torch")
+BASELINES = ("raw", "bindfs", "minfs")
+WORKLOADS = ("seq", "write_8k", "small_files", "torch", "sync_file")
+# ../shared/tools/minfs.py from the main checkout (one level more from a worktree)
+MINFS = next((p for p in (REPO.parent / "shared" / "tools" / "minfs.py",
+                          REPO.parent.parent / "shared" / "tools" / "minfs.py") if p.is_file()),
+             REPO.parent / "shared" / "tools" / "minfs.py")
+READ_AHEAD_KB = 16384             # what the ckptfs daemon sets for its mount
+SYNC_FILE_BYTES = 64 * MiB
 
 # metric -> (unit, higher is better, [(baseline, minimum ratio ckptfs/baseline)])
 METRICS: dict[str, tuple[str, list[tuple[str, float]]]] = {
@@ -104,6 +131,8 @@ METRICS: dict[str, tuple[str, list[tuple[str, float]]]] = {
     "small_files": ("files/s", [("bindfs", 0.5)]),
     "torch_save": ("MB/s", []),
     "torch_load": ("MB/s", []),
+    "sync_file": ("ops/s", []),
+    "stress_sync_file": ("ops/s", []),
 }
 RSS_LIMIT_MB = 300.0
 
@@ -300,6 +329,83 @@ class BindfsTarget(Target):
             stop_pid(self.proc.pid)
 
 
+class MinfsTarget(Target):
+    """The bare pyfuse3 daemon: a flat directory that forgets its files at unmount."""
+
+    name = "minfs"
+    cannot = {"seq": "forgets its files at unmount (no cold read)",
+              "torch": "forgets its files at unmount (no cold load)",
+              "small_files": "has no directories"}
+
+    def __init__(self, root: Path, script: Path, store_size: str) -> None:
+        super().__init__(root)
+        self.script = script
+        self.store_size = store_size
+        self.store: Optional[Path] = None
+        self.proc: Optional[subprocess.Popen] = None
+
+    def prepare(self, tag: str) -> Path:
+        self.workdir = self.root / f"minfs-mnt-{tag}"
+        self.store = self.root / f"minfs-{tag}.store"
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.workdir.mkdir(parents=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(self.script), str(self.workdir), "--store", str(self.store),
+             "--store-size", self.store_size, "--writeback", "1", "--backend", "pwrite"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=True)
+        self.pid = self.proc.pid
+        deadline = time.monotonic() + 30
+        while not is_mounted(self.workdir):
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace").strip()
+                raise RuntimeError(f"minfs exited {self.proc.returncode}: {err[-500:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("minfs did not mount within 30 s")
+            time.sleep(0.02)
+        set_read_ahead(self.workdir, READ_AHEAD_KB)
+        return self.workdir
+
+    def remount(self) -> None:
+        raise RuntimeError("minfs cannot remount (it forgets its files)")
+
+    def finish(self) -> None:
+        if self.workdir is not None and is_mounted(self.workdir):
+            run(["fusermount3", "-u", str(self.workdir)])
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                stop_pid(self.proc.pid)
+            self.proc.stderr.close()
+            self.proc = None
+            self.pid = None
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+        if self.store is not None:
+            self.store.unlink(missing_ok=True)
+            self.store = None
+
+    def cleanup(self) -> None:
+        if self.workdir is not None:
+            force_unmount(self.workdir)
+        if self.proc is not None:
+            stop_pid(self.proc.pid)
+
+
+def set_read_ahead(mountpoint: Path, kb: int) -> None:
+    """The read-ahead of a FUSE mount, as ckptfs sets its own (best effort)."""
+    target = os.path.realpath(mountpoint)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == target:
+                with contextlib.suppress(OSError):
+                    Path(f"/sys/class/bdi/{fields[2]}/read_ahead_kb").write_text(str(kb))
+                return
+
+
 class CkptfsTarget(Target):
     def __init__(self, root: Path, sync: str, pmem_size: str) -> None:
         super().__init__(root)
@@ -414,6 +520,90 @@ def verify_file(path: Path, view: memoryview, total: int) -> None:
         raise RuntimeError(f"{path}: read back {got} bytes, wrote {total}")
 
 
+# ---------------------------------------------------------------- sync-file
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+# stress-ng's sync_modes: WAIT_BEFORE|WRITE, WAIT_BEFORE|WRITE|WAIT_AFTER, WRITE,
+# WAIT_BEFORE, WAIT_AFTER, none.
+SYNC_MODES = (1 | 2, 1 | 2 | 4, 2, 1, 4, 0)
+
+
+def _libc_call(name: str, *args) -> None:
+    if getattr(_libc, name)(*args) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{name}: {os.strerror(e)}")
+
+
+def _sync_file_allocate(fd: int, nbytes: int, zeros: bytes) -> None:
+    """stress-ng's stress_sync_allocate: ftruncate 0, fdatasync, then its
+    shim_fallocate (fallocate, else the same zeros written 8 KiB at a time)."""
+    os.ftruncate(fd, 0)
+    os.fdatasync(fd)
+    try:
+        _libc_call("fallocate", fd, 0, 0, nbytes)
+        return
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+    os.lseek(fd, 0, os.SEEK_SET)
+    left = nbytes
+    while left > 0:
+        left -= os.write(fd, zeros[:min(left, len(zeros))])
+
+
+def sync_file_ops(wd: Path, seconds: float, rng: random.Random,
+                  nbytes: int = SYNC_FILE_BYTES) -> tuple[int, float]:
+    """stress-ng's sync-file stressor's calls (0.15.06), for `seconds`: (bogo ops, s)."""
+    path = wd / "sync-file.tmp"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.unlink(path)
+    zeros = bytes(8 * KiB)
+    ops = 0
+    t0 = time.perf_counter()
+    try:
+        while time.perf_counter() - t0 < seconds:
+            mode = rng.choice(SYNC_MODES)
+            for direction in ("forward", "reverse"):
+                _sync_file_allocate(fd, nbytes, zeros)
+                off = 0
+                while off < nbytes:
+                    n = (rng.getrandbits(32) & 0x1fc00) + KiB
+                    start = off if direction == "forward" else nbytes - off
+                    _libc_call("sync_file_range", fd, start, n, mode)
+                    off += n
+            _sync_file_allocate(fd, nbytes, zeros)
+            for _ in range(nbytes // (128 * KiB)):
+                start = rng.randrange(nbytes) & ~(128 * KiB - 1)
+                _libc_call("sync_file_range", fd, start, 128 * KiB, mode)
+            ops += 1
+    finally:
+        os.close(fd)
+    return ops, time.perf_counter() - t0
+
+
+def stress_ng_sync_file(wd: Path, seconds: float) -> float:
+    """stress-ng --sync-file 1 in wd for `seconds`: its bogo ops per second (real time)."""
+    out = wd.parent / f"{wd.name}.stress-ng.yaml"
+    res = subprocess.run(["stress-ng", "--sync-file", "1", "--sync-file-bytes",
+                          f"{SYNC_FILE_BYTES // MiB}M", "--timeout", f"{seconds:.0f}s",
+                          "--metrics-brief", "--temp-path", str(wd), "--yaml", str(out)],
+                         capture_output=True, text=True, timeout=seconds + 300, cwd=wd)
+    try:
+        text = out.read_text() if out.exists() else ""
+    finally:
+        out.unlink(missing_ok=True)
+    if res.returncode != 0 or " fail: " in res.stdout + res.stderr:
+        raise RuntimeError(f"stress-ng failed ({res.returncode}): "
+                           f"{(res.stderr or res.stdout).strip()[-500:]}")
+    found = re.search(r"stressor: sync-file\s.*?bogo-ops-per-second-real-time: ([0-9.]+)",
+                      text, re.S)
+    if found is None:
+        raise RuntimeError(f"no sync-file metrics in stress-ng's output: {text[-300:]}")
+    return float(found.group(1))
+
+
 # ---------------------------------------------------------------------- profiling
 
 class Profiler:
@@ -487,6 +677,7 @@ class Bench:
         self.targets: dict[str, Target] = {
             "raw": RawTarget(self.root),
             "bindfs": BindfsTarget(self.root),
+            "minfs": MinfsTarget(self.root, Path(args.minfs), args.pmem_size or sizes.pmem_size),
             "ckptfs-close": CkptfsTarget(self.root, "close", args.pmem_size or sizes.pmem_size),
             "ckptfs-lazy": CkptfsTarget(self.root, "lazy", args.pmem_size or sizes.pmem_size),
         }
@@ -583,6 +774,22 @@ class Bench:
         self.record("small_files", t, n / d["small_files_s"])
         return d
 
+    def run_sync_file(self, t: Target, tag: str) -> dict:
+        s, d = self.sizes, {}
+        wd = t.prepare(tag)
+        os.sync()
+        with self.timed(t, "sync_file", d):
+            ops, elapsed = sync_file_ops(wd, s.sync_file_s, random.Random(tag))
+        d["sync_file_ops"] = ops
+        self.record("sync_file", t, ops / elapsed)
+        if not isinstance(t, MinfsTarget):
+            with self.timed(t, "stress_sync_file", d):
+                ops_s = stress_ng_sync_file(wd, s.sync_file_s)
+            d["stress_sync_file_ops_s"] = ops_s
+            self.record("stress_sync_file", t, ops_s)
+        t.finish()
+        return d
+
     def state_dict(self):
         if self._state_dict is None:
             import torch
@@ -656,6 +863,11 @@ class Bench:
                 for name in targets[k:] + targets[:k]:
                     t = self.targets[name]
                     tag = f"r{rep}-{workload}"
+                    why = getattr(t, "cannot", {}).get(workload)
+                    if why:
+                        if rep == 1:
+                            log(f"{workload}: {name} skipped, it {why}")
+                        continue
                     d = self.run_one(workload, t, tag)
                     shown = ", ".join(f"{k2}={v:.2f}" for k2, v in d.items()
                                       if k2.endswith("_s"))
@@ -751,7 +963,7 @@ def summarize(samples: dict[str, dict[str, list[float]]]) -> dict:
         row = {"unit": unit, "median": med,
                "reps": samples[metric], "ratios": {}, "checks": {}}
         for ck in CKPTFS_TARGETS:
-            for base in ("raw", "bindfs"):
+            for base in BASELINES:
                 if med.get(ck) and med.get(base):
                     row["ratios"][f"{ck}/{base}"] = med[ck] / med[base]
             for base, minimum in targets:
@@ -788,16 +1000,21 @@ def render_cpu(cpu: dict) -> str:
 
 
 def fmt(v: Optional[float], nd: int = 0) -> str:
-    return "-" if v is None else f"{v:,.{nd}f}"
+    if v is None:
+        return "-"
+    if nd == 0 and 0 < abs(v) < 10:
+        nd = 2                      # ops/s of slow targets
+    return f"{v:,.{nd}f}"
 
 
 def render_table(table: dict, rss: dict) -> str:
-    cols = ["metric", "unit", *TARGETS, "close/raw", "close/bindfs", "lazy/raw", "lazy/bindfs"]
+    cols = ["metric", "unit", *TARGETS] + [f"{ck[7:]}/{base}" for ck in CKPTFS_TARGETS
+                                            for base in BASELINES]
     rows = [cols]
     for metric, row in table.items():
         r = [metric, row["unit"]] + [fmt(row["median"].get(t)) for t in TARGETS]
         for ck in CKPTFS_TARGETS:
-            for base in ("raw", "bindfs"):
+            for base in BASELINES:
                 ratio = row["ratios"].get(f"{ck}/{base}")
                 check = row["checks"].get(f"{ck}/{base}")
                 cell = fmt(ratio, 2)
@@ -864,6 +1081,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma-separated subset of {','.join(WORKLOADS)}")
     p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS step")
+    p.add_argument("--minfs", default=str(MINFS),
+                   help="the bare pyfuse3 daemon for the minfs target (default %(default)s)")
     p.add_argument("--profile", metavar="DIR",
                    help="extra untimed pass of the ckptfs workloads under py-spy; "
                         "collapsed stacks go to DIR")
@@ -898,6 +1117,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     if "torch" in args.workloads:
         import torch  # noqa: F401  (fail now, not after an hour)
+    if "minfs" in args.targets and not Path(args.minfs).is_file():
+        print(f"bench_foundation: no minfs at {args.minfs} (--minfs PATH, or leave out the "
+              "minfs target)", file=sys.stderr)
+        return 2
+    if "sync_file" in args.workloads and shutil.which("stress-ng") is None:
+        print("bench_foundation: the sync_file workload needs stress-ng "
+              "(tools/setup-debian.sh --with-bench)", file=sys.stderr)
+        return 2
 
     # SIGTERM/SIGHUP become exceptions so that the finally below unmounts.
     def _raise(signum, _frame):

@@ -7,7 +7,8 @@
 #                                          and a one-node Ceph for the S3 tests (about
 #                                          240 MB: tools/rgw.py runs its RADOS Gateway)
 #   tools/setup-debian.sh --with-bench     also the benchmark baselines (bindfs; borg,
-#                                          restic and casync for tools/bench_dedup.py)
+#                                          restic and casync for tools/bench_dedup.py;
+#                                          stress-ng for bench_foundation's sync_file)
 #
 # ckptfs goes into a virtual environment of Debian's own python3 in this
 # checkout (.venv, git-ignored), installed editable: the ckptfs and
@@ -35,7 +36,7 @@ while [ $# -gt 0 ]; do
             mount_dir="$2"; shift 2 ;;
         --with-tests) extras="[test]"; apt_extra="$apt_extra attr rsync strace"
                       apt_norec="$apt_norec ceph-mon ceph-osd radosgw"; shift ;;
-        --with-bench) apt_extra="$apt_extra bindfs"; apt_norec="$apt_norec borgbackup restic casync"; shift ;;
+        --with-bench) apt_extra="$apt_extra bindfs stress-ng"; apt_norec="$apt_norec borgbackup restic casync"; shift ;;
         *) echo "setup-debian.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
