@@ -287,7 +287,7 @@ def rank_main(args: argparse.Namespace, name: str, rank: int, world: int, port: 
     else:
         if not torch.cuda.is_available():
             # megatron-core 0.16.1 calls these unconditionally in its save path
-            # (see tests/helpers/compat_megatron_worker.py).
+            # (see tests/compat/helpers/compat_megatron_worker.py).
             torch.cuda.synchronize = lambda device=None: None
             torch.cuda.current_device = lambda: "cpu"
         dist.init_process_group("gloo", rank=rank, world_size=world)

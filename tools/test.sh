@@ -2,7 +2,7 @@
 # Install ckptfs with its test extras (tools/setup-debian.sh --with-tests: the
 # checkout's .venv), then run the default test suite with that venv's python.
 # Extra arguments go to pytest, e.g. tools/test.sh -m soak   (the long crash soak)
-#                                    tools/test.sh tests/test_mount_cli.py
+#                                    tools/test.sh tests/cli/test_mount_cli.py
 set -eu
 PATH=/usr/sbin:/usr/bin:/sbin:/bin    # sudo's: Debian's python3, whoever calls
 export PATH

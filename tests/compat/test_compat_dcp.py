@@ -3,7 +3,7 @@
 DCP's FileSystemWriter has every rank write `__<rank>_<n>.distcp` (fsync'ed,
 sync_files=True), then rank 0 writes `.metadata.tmp`, fsyncs it, removes an
 old `.metadata` and renames the temp file into place. The ranks run
-tests/helpers/compat_dcp_worker.py, which saves a state built from a step
+tests/compat/helpers/compat_dcp_worker.py, which saves a state built from a step
 number and, when loading, checks every shard bit for bit against it.
 """
 

@@ -8,7 +8,7 @@ slice of the flat fp32 master weights and Adam moments); rank 0 copies
 zero_to_fp32.py and zero_to_torch.py into dir and writes `latest` (the tag)
 after all ranks are done. load_checkpoint(dir) reads `latest`.
 
-The ranks run tests/helpers/compat_deepspeed_worker.py as processes of their
+The ranks run tests/compat/helpers/compat_deepspeed_worker.py as processes of their
 own; after a remount a fresh job loads the checkpoint through `latest` and
 every rank's module and optimizer state is compared with what it held at
 the save, resumed training is compared with the run that never stopped,

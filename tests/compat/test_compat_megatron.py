@@ -7,7 +7,7 @@ every rank `__<rank>_<n>.distcp` (each item a torch.save record), rank 0
 `metadata.json` (backend and version). The fully-parallel wrapper spreads
 the replicated tensors' saving and loading over the ranks.
 
-The ranks run tests/helpers/compat_megatron_worker.py, which builds a
+The ranks run tests/compat/helpers/compat_megatron_worker.py, which builds a
 tensor-parallel GPT state (column- and row-parallel shards, replicated
 LayerNorms, Adam moments, common state) from the step number and, when
 loading, checks every shard bit for bit. On a CPU-only torch the worker

@@ -11,7 +11,7 @@ compressed zarr3 chunks) either packed into OCDBT data files
 to `state`, the step directory to `<step>`, and steps beyond max_to_keep are
 removed with rmtree. Saves run asynchronously on Orbax's threads.
 
-The library runs in tests/helpers/compat_orbax_worker.py (JAX in its own
+The library runs in tests/compat/helpers/compat_orbax_worker.py (JAX in its own
 process); after a remount it restores every kept step array by array and
 resumes training from the newest.
 """

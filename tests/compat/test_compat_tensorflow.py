@@ -9,7 +9,7 @@ and rmdirs `ckpt-N_temp`; the `checkpoint` state file is written as
 `checkpoint.tmp<uuid>` and renamed over, twice per save, and checkpoints
 beyond max_to_keep are unlinked. Keras 3's model.save writes a `.keras` zip.
 
-The library runs in tests/helpers/compat_tf_worker.py (TensorFlow in its own
+The library runs in tests/compat/helpers/compat_tf_worker.py (TensorFlow in its own
 process): it saves every checkpoint into the mount and into a plain
 directory, and after a remount restores each kept checkpoint into a fresh
 model, reads every tensor, and loads the Keras file.

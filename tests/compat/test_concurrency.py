@@ -1,6 +1,6 @@
 """Eight data-parallel ranks saving shards at once while a reader watches.
 
-Each rank is its own process (tests/helpers/compat_rank_io.py) writing
+Each rank is its own process (tests/compat/helpers/compat_rank_io.py) writing
 `step-S/rank-R.bin` through a temp name, fsync and rename, plus a JSON
 sidecar by tempfile + os.replace; a ninth process lists, stats and reads
 the directories the whole time. A finished name must never show anything

@@ -1,6 +1,6 @@
 """Crash tests with real processes: SIGKILL the daemon while writers are busy.
 
-Three writer processes (tests/helpers/crash_writer.py) write checkpoint-like
+Three writer processes (tests/crash/helpers/crash_writer.py) write checkpoint-like
 files into a real mount: new files, O_TRUNC rewrites, temp file + os.replace,
 fsync half way, unlinks. Each keeps a journal outside the mount. At a seeded
 random moment (0.2-3 s) the daemon is killed with SIGKILL (Mount.kill: kill -9

@@ -1,5 +1,5 @@
 """The S3 backend against a real Ceph RADOS Gateway, beyond the conformance
-suite (tests/test_backing.py): where its endpoint and credentials come from,
+suite (tests/store/test_backing.py): where its endpoint and credentials come from,
 and what it does when the gateway is down, throttles (503 SlowDown), stops
 answering in the middle of an upload, or refuses the credentials.
 

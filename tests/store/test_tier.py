@@ -173,7 +173,7 @@ def test_sigkill_during_tiering_loses_nothing(make_mount, fsck_clean):
         files.update(write_version(m.path, step, size=12 * MiB))
     proc = subprocess.Popen([sys.executable, "-m", "ckptfs.cli", "tier", str(m.path), "--now"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=Path(__file__).resolve().parent.parent)
+                            cwd=Path(__file__).resolve().parents[2])
     time.sleep(0.8)
     m.kill()
     proc.wait(timeout=60)

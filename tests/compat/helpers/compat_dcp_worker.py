@@ -1,4 +1,4 @@
-"""One rank of a torch.distributed.checkpoint save or load (tests/test_compat_dcp.py).
+"""One rank of a torch.distributed.checkpoint save or load (tests/compat/test_compat_dcp.py).
 
     compat_dcp_worker.py INIT_FILE RANK WORLD MODE:CKPT_DIR:STEP [MODE:CKPT_DIR:STEP ...]
 

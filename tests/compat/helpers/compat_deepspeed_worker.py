@@ -1,4 +1,4 @@
-"""One rank of a DeepSpeed ZeRO job on the CPU (tests/test_compat_deepspeed.py).
+"""One rank of a DeepSpeed ZeRO job on the CPU (tests/compat/test_compat_deepspeed.py).
 
     compat_deepspeed_worker.py RANK WORLD PORT STAGE MODE CKPT_DIR PLAIN_DIR
 

@@ -1,4 +1,4 @@
-"""One rank of a Megatron-core dist_checkpointing save or load (tests/test_compat_megatron.py).
+"""One rank of a Megatron-core dist_checkpointing save or load (tests/compat/test_compat_megatron.py).
 
     compat_megatron_worker.py RANK WORLD INIT_FILE MODE:CKPT_DIR:STEP:STRATEGY [...]
 

@@ -1,4 +1,4 @@
-"""JAX + Orbax checkpointing on ckptfs (tests/test_compat_orbax.py).
+"""JAX + Orbax checkpointing on ckptfs (tests/compat/test_compat_orbax.py).
 
     compat_orbax_worker.py save MOUNT_DIR PLAIN_DIR LAYOUT
     compat_orbax_worker.py verify MOUNT_DIR PLAIN_DIR LAYOUT

@@ -1,4 +1,4 @@
-"""Data-parallel ranks writing shards, and a reader watching them (tests/test_concurrency.py).
+"""Data-parallel ranks writing shards, and a reader watching them (tests/compat/test_concurrency.py).
 
     compat_rank_io.py writer ROOT RANK STEPS
     compat_rank_io.py reader ROOT WORLD STEPS DONE_FILE

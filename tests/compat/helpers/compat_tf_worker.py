@@ -1,4 +1,4 @@
-"""TensorFlow's own checkpoint I/O on ckptfs (tests/test_compat_tensorflow.py).
+"""TensorFlow's own checkpoint I/O on ckptfs (tests/compat/test_compat_tensorflow.py).
 
     compat_tf_worker.py save MOUNT_DIR PLAIN_DIR
     compat_tf_worker.py verify MOUNT_DIR PLAIN_DIR

@@ -1,4 +1,4 @@
-"""Shared by the compatibility tests (tests/test_compat_*.py, test_concurrency.py).
+"""Shared by the compatibility tests (tests/compat/test_compat_*.py, test_concurrency.py).
 
 Byte-exact checks of whole trees: every regular file's sha256, every symlink's
 target, modes, sizes, times, xattrs and hard-link structure, so a test can
@@ -123,7 +123,7 @@ def run(cmd: list[str], *, cwd: Optional[os.PathLike] = None, timeout: float = 3
 
 def run_helper(script: str, *args, timeout: float = 300, env: Optional[dict] = None,
                check: bool = True) -> subprocess.CompletedProcess:
-    """Run tests/helpers/<script> with this interpreter."""
+    """Run tests/compat/helpers/<script> with this interpreter."""
     return run([sys.executable, str(HELPERS / script), *map(str, args)], timeout=timeout,
                env=env, check=check)
 
