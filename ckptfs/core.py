@@ -222,15 +222,18 @@ class Filesystem:
 
     def make_node(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
                   rdev: int = 0, target: Optional[bytes] = None) -> Attrs:
-        self.index.admit(NODE_GROWTH_BYTES + len(name) + len(target or b""))
+        growth = NODE_GROWTH_BYTES + len(name) + len(target or b"")
+        self.index.check_room()             # counted once it exists (EEXIST costs nothing)
         inode = self.ns.create(parent, name, mode, uid, gid, self.now_ns(), rdev=rdev,
                                target=target)
+        self.index.promise(growth)
         self.count_lookup(inode.ino)
         return self.attrs(inode.ino)
 
     def link(self, ino: int, parent: int, name: bytes) -> Attrs:
-        self.index.admit(NODE_GROWTH_BYTES + len(name))
+        self.index.check_room()
         inode = self.ns.link(ino, parent, name, self.now_ns())
+        self.index.promise(NODE_GROWTH_BYTES + len(name))
         self.count_lookup(inode.ino)
         return self.attrs(ino)
 
@@ -476,8 +479,10 @@ class Filesystem:
             inode = self.ns.get(ino)
             if inode.nlink == 0:
                 return self.index.current_seq()     # unlinked while cutting
+        growth = self.files.commit_growth_bytes(df)
         try:
-            self.index.admit(self.files.commit_growth_bytes(df))
+            if growth:
+                self.index.admit(growth)
         except IndexFull:
             # No room to commit it: the file keeps its last committed content.
             self.files.discard(df)

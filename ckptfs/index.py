@@ -444,14 +444,21 @@ class Index:
 
     def admit(self, nbytes: int) -> None:
         """Admit a change that grows the index by up to nbytes into the open batch,
-        or raise IndexFull (nothing admitted). Trio thread."""
+        or raise IndexFull (nothing admitted). Call it once nothing else can make
+        the change fail, right before it goes into the batch. Trio thread."""
         if self.room_bytes is None:
             return
         if self.stalled is not None or not self._has_room(nbytes):
             self._note_full()
             raise IndexFull(self._full_message())
-        self._open.promised_bytes += nbytes
-        self._promised_total += nbytes
+        self.promise(nbytes)
+
+    def promise(self, nbytes: int) -> None:
+        """Count nbytes of growth the open batch now holds (checked with `admit`,
+        or with `check_room` before a change that may still fail). Trio thread."""
+        if self.room_bytes is not None:
+            self._open.promised_bytes += nbytes
+            self._promised_total += nbytes
 
     def _full_message(self) -> str:
         if self.stalled is not None:
