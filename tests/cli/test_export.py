@@ -40,6 +40,18 @@ def user_xattrs(path: Path) -> dict[str, bytes]:
     return {n: os.getxattr(path, n) for n in os.listxattr(path) if n.startswith("user.")}
 
 
+def walk_without_following(root: Path) -> list[Path]:
+    """Every path below root, found without following a symlink: following one
+    (as Path.rglob does on Python 3.11.2) moves the link's atime on a local disk."""
+    found = []
+    with os.scandir(root) as it:
+        for entry in it:
+            found.append(Path(entry.path))
+            if entry.is_dir(follow_symlinks=False):
+                found += walk_without_following(Path(entry.path))
+    return found
+
+
 def describe(root: Path) -> dict:
     """Everything export must keep, per relative path, plus the hard-link groups.
 
@@ -48,7 +60,7 @@ def describe(root: Path) -> dict:
     """
     meta: dict[str, tuple] = {}
     inodes: dict[int, list[str]] = {}
-    paths = [root] + sorted(root.rglob("*"))
+    paths = [root] + sorted(walk_without_following(root))
     for p in paths:
         rel = str(p.relative_to(root))
         st = os.lstat(p)
@@ -57,7 +69,7 @@ def describe(root: Path) -> dict:
                      None if stat.S_ISDIR(st.st_mode) else st.st_size,
                      None if stat.S_ISLNK(st.st_mode) else st.st_nlink,
                      st.st_mtime_ns,
-                     # listing a directory (rglob here) moves its atime on the copy
+                     # listing a directory moves its atime on the copy
                      None if stat.S_ISDIR(st.st_mode) else st.st_atime_ns)
         if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
             inodes.setdefault(st.st_ino, []).append(rel)

@@ -515,7 +515,11 @@ NOBODY = 65534
 
 @pytest.fixture
 def reachable_dir():
-    """A directory every user can reach (pytest's own tmp dirs are 0700)."""
+    """A directory every user can reach (pytest's own tmp dirs are 0700).
+
+    Request it before make_mount: fixtures are torn down in reverse order, and
+    the mounts inside must be gone before the directory can be removed.
+    """
     path = Path(tempfile.mkdtemp(prefix="ckptfs-users-", dir="/tmp"))
     os.chmod(path, 0o755)
     yield path
@@ -535,7 +539,7 @@ def _files_for_others(m) -> None:
         os.umask(old)
 
 
-def test_root_mount_serves_other_users_by_file_modes(make_mount, reachable_dir):
+def test_root_mount_serves_other_users_by_file_modes(reachable_dir, make_mount):
     """Mounted by root (setup script, fstab, systemd), the training job's own
     user reads and writes what the modes allow, and nothing else."""
     src = reachable_dir / "ckpt"
@@ -556,7 +560,7 @@ def test_root_mount_serves_other_users_by_file_modes(make_mount, reachable_dir):
     assert res.returncode == 0 and "public" in res.stdout.split(), res.stderr
 
 
-def test_allow_other_off_keeps_the_mount_to_its_user(make_mount, reachable_dir):
+def test_allow_other_off_keeps_the_mount_to_its_user(reachable_dir, make_mount):
     src = reachable_dir / "ckpt"
     src.mkdir(mode=0o755)
     m = make_mount(source=src, options=["pmem_size=64M", "allow_other=off"])
