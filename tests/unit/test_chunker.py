@@ -7,7 +7,6 @@ import io
 import os
 import random
 import struct
-import time
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -196,30 +195,6 @@ def test_gear_releases_the_gil() -> None:
     data = os.urandom(64 * MIB)
     # tiny min: hashes every byte
     assert_releases_gil(lambda: native.gear_cut_points(data, 64, 128, 1 << 30))
-
-
-def test_gear_and_blake3_throughput(capsys: pytest.CaptureFixture[str]) -> None:
-    data = os.urandom(64 * MIB)
-    sizes = (DEFAULT_MIN_SIZE, DEFAULT_AVG_SIZE, DEFAULT_MAX_SIZE)
-    cuts = native.gear_cut_points(data, *sizes)
-    gear = min(_timed(lambda: native.gear_cut_points(data, *sizes)) for _ in range(3))
-    view = memoryview(data)
-
-    def hash_chunks() -> None:
-        for off, n in spans(cuts):
-            chunk_id(view[off : off + n])
-
-    hashing = min(_timed(hash_chunks) for _ in range(3))
-    with capsys.disabled():
-        print(f"\ngear scan {sizes}: {len(data) / gear / 1e9:.2f} GB/s, "
-              f"chunk_id over its chunks: {len(data) / hashing / 1e9:.2f} GB/s")
-
-
-def _timed(fn: object) -> float:
-    assert callable(fn)
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 # ---- chunk ids ---------------------------------------------------------------------

@@ -11,7 +11,6 @@ import os
 import random
 import struct
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -118,24 +117,6 @@ def test_split_planes_takes_any_buffer() -> None:
     assert native.split_planes(memoryview(data)[1:], 4) == ref_split(bytes(data[1:]), 4)
     with pytest.raises(ValueError):
         native.split_planes(b"abc", 0)
-
-
-def test_split_merge_throughput(capsys: pytest.CaptureFixture[str]) -> None:
-    from ckptfs._native import ffi, lib
-
-    size, reps = 256 * KIB, 200  # the largest chunk, from cache as the codec uses it
-    src = ffi.new("uint8_t[]", os.urandom(size))
-    dst = ffi.new("uint8_t[]", size)
-    res = []
-    for width in (2, 4, 8):
-        for name, fn in (("split", lib.ckptfs_split_planes), ("merge", lib.ckptfs_merge_planes)):
-            def run() -> None:
-                for _ in range(reps):
-                    fn(src, size, width, dst)
-            best = min(_timed(run) for _ in range(3))
-            res.append(f"{name} {width}: {size * reps / best / 1e9:.1f}")
-    with capsys.disabled():
-        print("\nbyte planes of 256 KiB, GB/s: " + ", ".join(res))
 
 
 # ---- float detection --------------------------------------------------------------
@@ -568,31 +549,3 @@ def test_native_codec_releases_the_gil() -> None:
     with ffi.from_buffer(data) as src, ffi.from_buffer(out, require_writable=True) as dst:
         assert_releases_gil(lambda: lib.ckptfs_split_planes(src, len(data), 3, dst))
 
-
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def test_codec_throughput(capsys: pytest.CaptureFixture[str]) -> None:
-    rng = gen()
-    lines = []
-    for name, data in (("bf16", bf16(16 * MIB, rng=rng)), ("fp32", fp32(8 * MIB, rng=rng))):
-        chunks = [data[i : i + 64 * KIB] for i in range(0, len(data), 64 * KIB)]
-        encs = [encode_chunk(c) for c in chunks]
-        def enc_all() -> None:
-            for c in chunks:
-                encode_chunk(c)
-
-        def dec_all() -> None:  # outputs dropped at once: no page faults timed
-            for e in encs:
-                decode_chunk(e.codec, e.param, e.payload, 64 * KIB)
-
-        t_enc = min(_timed(enc_all) for _ in range(2))
-        t_dec = min(_timed(dec_all) for _ in range(3))
-        ratio = sum(len(e.payload) for e in encs) / len(data)
-        lines.append(f"{name} {ratio:.3f}: encode {len(data) / t_enc / 1e9:.2f} GB/s, "
-                     f"decode {len(data) / t_dec / 1e9:.2f} GB/s")
-    with capsys.disabled():
-        print("\ncodec, 64 KiB chunks, one thread: " + "; ".join(lines))

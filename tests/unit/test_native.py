@@ -7,7 +7,6 @@ import os
 import platform
 import random
 import struct
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -335,25 +334,6 @@ def test_calls_release_the_gil() -> None:
             lib.ckptfs_crc32c_sw(0, buf, len(buf))
 
     assert_releases_gil(call)
-
-
-def test_crc32c_throughput(capsys: pytest.CaptureFixture[str]) -> None:
-    data = os.urandom(64 * MIB)
-    native.crc32c(data)  # fault in / warm up
-    best = min(_timed(lambda: native.crc32c(data)) for _ in range(5))
-    best_blocks = min(_timed(lambda: native.crc32c_blocks(data, 4096)) for _ in range(3))
-    with capsys.disabled():
-        print(
-            f"\ncrc32c 64 MiB: {len(data) / best / 1e9:.2f} GB/s, "
-            f"crc32c_blocks(4096): {len(data) / best_blocks / 1e9:.2f} GB/s"
-        )
-
-
-def _timed(fn: object) -> float:
-    assert callable(fn)
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 # ---- open_beneath: reaching files below SOURCE -----------------------------------
