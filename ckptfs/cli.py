@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import enum
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -183,37 +184,53 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     args = parser.parse_args(argv)
     try:
-        if args.cmd == "mount":
-            return _mount(args.source, args.mountpoint, args.options, args.foreground)
-        if args.cmd == "umount":
-            return umount(args.mountpoint, args.timeout, args.lazy)
-        if args.cmd == "stat":
-            return show_stat(args.mountpoint, args.json)
-        if args.cmd == "fsck":
-            from .fsck import run_fsck
-            return run_fsck(args.source, args.options, repair=args.repair,
-                            verify_data=not args.no_data)
-        if args.cmd == "sync":
-            control.request(args.mountpoint, "sync")
-            return ExitCode.OK
-        if args.cmd == "export":
-            from .export import run_export
-            return run_export(args.path, args.dest, progress=args.progress)
-        if args.cmd == "gc":
-            done = control.request(args.mountpoint, "gc")
-            print(f"published snapshot {done['snapshot']}; deleted {done['dead_packs']} dead "
-                  f"packs, {done['old_heads']} older snapshot heads, {done['objects']} "
-                  f"namespace objects no kept head needs, {done['stale_manifests']} stale "
-                  f"manifests, {done['temporary_files']} temporary files")
-            return ExitCode.OK
-        if args.cmd == "recover":
-            from .recover import run_recover
-            return run_recover(args.source, args.options, head=args.head)
-        if args.cmd == "tier":
-            return tier_now(args.mountpoint, everything=args.all)
+        code = _run(args)
+        sys.stdout.flush()          # here, where a closed pipe can be told apart
+        return code
+    except BrokenPipeError:
+        return _reader_went_away()
     except (CkptfsError, OSError) as e:
         return _fail(e)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Dispatch one subcommand; its exit code."""
+    if args.cmd == "mount":
+        return _mount(args.source, args.mountpoint, args.options, args.foreground)
+    if args.cmd == "umount":
+        return umount(args.mountpoint, args.timeout, args.lazy)
+    if args.cmd == "stat":
+        return show_stat(args.mountpoint, args.json)
+    if args.cmd == "fsck":
+        from .fsck import run_fsck
+        return run_fsck(args.source, args.options, repair=args.repair,
+                        verify_data=not args.no_data)
+    if args.cmd == "sync":
+        control.request(args.mountpoint, "sync")
+        return ExitCode.OK
+    if args.cmd == "export":
+        from .export import run_export
+        return run_export(args.path, args.dest, progress=args.progress)
+    if args.cmd == "gc":
+        done = control.request(args.mountpoint, "gc")
+        print(f"published snapshot {done['snapshot']}; deleted {done['dead_packs']} dead "
+              f"packs, {done['old_heads']} older snapshot heads, {done['objects']} "
+              f"namespace objects no kept head needs, {done['stale_manifests']} stale "
+              f"manifests, {done['temporary_files']} temporary files")
+        return ExitCode.OK
+    if args.cmd == "recover":
+        from .recover import run_recover
+        return run_recover(args.source, args.options, head=args.head)
+    if args.cmd == "tier":
+        return tier_now(args.mountpoint, everything=args.all)
     return ExitCode.USAGE
+
+
+def _reader_went_away() -> int:
+    """stdout's reader closed early (`ckptfs stat MP | head -1`): stop quietly,
+    as cat does: no error line, and no traceback when Python flushes stdout at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return ExitCode.FAILED
 
 
 def umount(mountpoint: str, timeout_s: float, lazy: bool) -> int:

@@ -460,6 +460,17 @@ def test_stat_json_fields_are_documented(make_mount):
         assert not missing, f"stat --json fields the README does not name: {sorted(missing)}"
 
 
+def test_stat_into_a_closed_pipe_is_quiet(mounted):
+    """`ckptfs stat MP | head -1`: the reader goes away before the output is
+    written; the command ends without a traceback, as cat does."""
+    proc = subprocess.Popen(CKPTFS + ["stat", str(mounted.path)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert err == "", err       # no traceback, no "Broken pipe" line
+    assert proc.returncode == 1, (proc.returncode, err)
+
 def test_stat_not_mounted(tmp_path):
     res = run_ckptfs("stat", str(tmp_path), "--json", check=False)
     assert res.returncode == 1
