@@ -19,6 +19,13 @@ under its name, whole and durable, only when `commit()` returns; until then
 a name that exists replaces that blob atomically; pack files are never
 replaced (their names are unique), small metadata blobs may be.
 
+Create-once: `create_once` writes a small blob only if its name is free, as
+one atomic step of the store (S3: a single PUT with If-None-Match: *; a
+directory: link(2) of a complete temporary file, which fails on an existing
+name). Of several writers racing for one name, on one node or many, exactly
+one succeeds. Leases and snapshot heads of volumes rely on it
+(docs/STORE.md); nothing else about a store is conditional.
+
 Errors are the project's own (`ckptfs.errors`), each naming the store (its
 `url`) and the blob:
 
@@ -174,6 +181,18 @@ class Backend(ABC):
     @abstractmethod
     def writer(self, name: str) -> BlobWriter:
         """Start a new blob `name`; nothing is visible until its `commit()`."""
+
+    @abstractmethod
+    def create_once(self, name: str, data: bytes) -> bool:
+        """Make blob `name` hold `data` unless a blob of that name exists:
+        True if this call made it (durable once this returns), False if it
+        existed (left as it was). Atomic against every other writer of the
+        store, whichever node it runs on; for small blobs (one request).
+
+        `data` should be unique to this caller (a lease names its holder and
+        a time): a retry after a lost reply finds the blob already there,
+        and holding exactly `data` is how it is told that it made it itself.
+        """
 
     @abstractmethod
     def read(self, name: str, offset: int, length: int) -> bytes:

@@ -20,7 +20,7 @@ Kinds (and the calls they hit when `ops` is not given):
                  raised (a reply lost after the store acted)
 
 Call names for `ops`: writer, write, commit, abort, read, size, list, delete,
-free_bytes, check. A fault fires on matching calls whose blob name starts
+free_bytes, check (`create_once` counts as writer, then commit). A fault fires on matching calls whose blob name starts
 with `prefix` (calls without a name match only prefix ""), skips the first
 `after` of them, then fires `times` times (None: until cleared). Several
 faults may be active; delays apply first, then the first failing fault.
@@ -161,6 +161,15 @@ class FaultyBackend(Backend):
     def writer(self, name: str) -> BlobWriter:
         self._fire("writer", name)
         return _FaultyWriter(self, name, self.inner.writer(name))
+
+    def create_once(self, name: str, data: bytes) -> bool:
+        self._fire("writer", name)
+        altering = self._fire("commit", name)
+        made = self.inner.create_once(name, data)
+        if any(f.kind == "lost_commit" for f in altering):
+            raise BackingUnavailable(f"{self.url}: {name}: commit: injected fault: the reply "
+                                     "was lost (the blob was made)")
+        return made
 
     def read(self, name: str, offset: int, length: int) -> bytes:
         altering = self._fire("read", name)

@@ -23,6 +23,14 @@ commit fsync, close, rename over the name, fsync of the directory. Parent
 directories are created as needed and each creation is fsync'ed in its parent.
 Deletes unlink and fsync the directory.
 
+Create-once (`create_once`: leases, heads): the same complete, fsync'ed
+temporary file, then link(2) to the name instead of rename: link fails with
+EEXIST on a name that exists, atomically, on every filesystem a store may be
+shared on (local ones, NFSv3 and v4, Lustre, CephFS, GPFS: the server or the
+metadata server decides). A reply lost and retransmitted over NFSv3 can
+report EEXIST for a link that was made: the blob is then compared with what
+this call wrote, so the call that made it is told so.
+
 Reads: pread(2) on a cached read-only fd; at most `max_open_files` are kept
 (least recently used first out). An fd is closed only when no thread is reading
 through it, so several worker threads can read at once. A committed or deleted
@@ -269,6 +277,12 @@ class LocalBackend(Backend):
                                   "(a name cannot be both a blob and a prefix)")
         return _LocalWriter(self, name, path)
 
+    def create_once(self, name: str, data: bytes) -> bool:
+        with self.writer(name) as w:             # checks the marker, makes the directories
+            assert isinstance(w, _LocalWriter)
+            w.write(data)
+            return w.link_once()
+
     def read(self, name: str, offset: int, length: int) -> bytes:
         validate_name(name)
         if offset < 0 or length < 0:
@@ -496,7 +510,7 @@ class _LocalWriter(BlobWriter):
         self.bytes_written = 0
         self._fd: Optional[int] = None
         try:
-            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+            self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
                                0o600)
         except OSError as e:
             self._state = "aborted"
@@ -542,6 +556,44 @@ class _LocalWriter(BlobWriter):
             self._state = "failed"               # visible, durability unknown
             raise self._backend._os_error(e, "commit", self.name) from e
         self._state = "committed"
+
+    def link_once(self) -> bool:
+        """Commit by link(2): True if the name was free and is now this blob,
+        False if a blob of that name existed (then nothing is changed)."""
+        fd = self._need_open()
+        try:
+            os.fsync(fd)
+            try:
+                os.link(self._tmp, self._path)
+                made = True
+            except FileExistsError:
+                # Ours after all if a retransmitted link found its own work done.
+                made = self._holds_our_bytes(fd)
+            self.abort()                         # the temporary name goes either way
+            if made:
+                _fsync_dir(self._dir)
+        except OSError as e:
+            self.abort()
+            if e.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
+                raise BackingUnavailable(
+                    f"{self._backend.url}: {self.name}: the store's filesystem cannot make "
+                    f"hard links ({e.strerror}): leases need link(2) (NFS, Lustre, CephFS, "
+                    "GPFS and local filesystems have it)") from e
+            raise self._backend._os_error(e, "commit", self.name) from e
+        self._state = "committed" if made else "aborted"
+        return made
+
+    def _holds_our_bytes(self, fd: int) -> bool:
+        try:
+            st, ours = os.stat(self._path), os.fstat(fd)
+        except FileNotFoundError:
+            return False
+        if (st.st_dev, st.st_ino) == (ours.st_dev, ours.st_ino):
+            return True
+        if st.st_size != self.bytes_written:
+            return False
+        with open(self._path, "rb") as theirs:
+            return theirs.read(st.st_size + 1) == os.pread(fd, st.st_size + 1, 0)
 
     def abort(self) -> None:
         if self._state != "open":

@@ -41,6 +41,14 @@ half-written. An aborted or failed writer aborts its upload; one that cannot
 (the endpoint is gone) leaves it to `remove_incomplete`, which aborts the
 uploads under the prefix older than its cutoff.
 
+Create-once (`create_once`: leases, heads): one PUT with If-None-Match: *,
+which S3, Ceph RGW (measured on 16.2) and MinIO refuse with 412 when the key
+exists. Never a multipart upload (RGW ignores conditions on
+CompleteMultipartUpload) and never on a versioned bucket (conditions break
+there). A 412 after a retried PUT may be this call's own first attempt: the
+object is read back and compared. A server without conditional writes (501)
+cannot hold leases: that is an error, never an unconditional PUT.
+
 Reads: one ranged GET per read (a body cut off mid-transfer is read again,
 up to 3 times); the answer must be exactly the range asked for.
 
@@ -87,6 +95,7 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_READ_TIMEOUT_S = 20.0
 DEFAULT_MAX_ATTEMPTS = 4             # the first try and 3 retries, unless AWS config says
 BODY_READ_ATTEMPTS = 3
+CONFLICT_ATTEMPTS = 20               # create_once against another conditional write in flight
 KNOWN_DIRS_MAX = 4096
 
 _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]$")
@@ -427,6 +436,46 @@ class S3Backend(Backend):
         self._verify_marker()
         self._check_blob_not_prefix(name)
         return _S3Writer(self, name, key)
+
+    def create_once(self, name: str, data: bytes) -> bool:
+        from botocore.exceptions import BotoCoreError, ClientError
+        validate_name(name)
+        key = self._key(name)
+        self._verify_marker()
+        for attempt in range(1, CONFLICT_ATTEMPTS + 1):
+            try:
+                self._client().put_object(Bucket=self.bucket, Key=key, Body=bytes(data),
+                                          IfNoneMatch="*")
+                self._note_dirs(name)
+                return True
+            except ClientError as e:
+                code, status, _ = _code(e)
+                if code == "PreconditionFailed" or status == 412:
+                    return self._holds(name, data)
+                if code == "ConditionalRequestConflict" or status == 409:
+                    # Another conditional write of this key is in flight: see who won.
+                    if self._exists(name):
+                        return self._holds(name, data)
+                    time.sleep(0.05 * attempt)
+                    continue
+                if code == "NotImplemented" or status == 501:
+                    raise BackingUnavailable(
+                        f"{self.url}: {name}: {self.endpoint_url} does not support conditional "
+                        "writes (If-None-Match), which volume leases need (docs/OPERATIONS.md)"
+                    ) from e
+                raise self._error(e, "create", name) from e
+            except BotoCoreError as e:
+                raise self._error(e, "create", name) from e
+        raise BackingUnavailable(f"{self.url}: {name}: create: conditional writes of this key "
+                                 f"kept conflicting ({CONFLICT_ATTEMPTS} attempts)")
+
+    def _holds(self, name: str, data: bytes) -> bool:
+        """Whether blob `name` holds exactly `data` (a create-once made by us)."""
+        try:
+            size = self.size(name)
+            return size == len(data) and self.read(name, 0, size) == bytes(data)
+        except BlobMissing:
+            return False
 
     def read(self, name: str, offset: int, length: int) -> bytes:
         from botocore.exceptions import BotoCoreError, ClientError

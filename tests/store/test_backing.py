@@ -536,6 +536,51 @@ def test_concurrent_writers(store):
     assert shared.decode().split() in [[str(i), "9"] for i in range(6)]
 
 
+def test_create_once(store):
+    """A name is made once; a second writer finds it taken and changes nothing."""
+    name = "volumes/v1/lease/0000000000000001"
+    assert store.create_once(name, b"first holder")
+    assert store.read(name, 0, store.size(name)) == b"first holder"
+    assert not store.create_once(name, b"second holder")
+    assert store.read(name, 0, store.size(name)) == b"first holder"
+    # The same bytes again: a retry of the first call after a lost reply.
+    assert store.create_once(name, b"first holder")
+    assert store.list("volumes/") == [name]
+
+
+def test_create_once_race_has_one_winner(store, harness):
+    """Writers racing for one name through their own clients: exactly one wins,
+    and the blob holds the winner's bytes, whole."""
+    name = "volumes/v1/lease/0000000000000002"
+    clients = [harness.reopen(store) for _ in range(8)]
+    start = threading.Barrier(len(clients))
+    won: list[int] = []
+    errors: list[BaseException] = []
+
+    def racer(i: int) -> None:
+        try:
+            start.wait()
+            if clients[i].create_once(name, f"holder {i} ".encode() * 100):
+                won.append(i)
+        except BaseException as e:                       # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(won) == 1
+    assert store.read(name, 0, store.size(name)) == f"holder {won[0]} ".encode() * 100
+
+
+def test_create_once_on_a_missing_store_is_unavailable(store, harness):
+    harness.vanish(store)
+    with pytest.raises(BackingUnavailable):
+        store.create_once("volumes/v/lease/0000000000000001", b"x")
+
+
 BAD_NAMES = ["", "/abs", "/", "a/../b", "..", ".", "a/./b", "a//b", "a/", "./a", "a\0b",
              ".hidden", "a/.x.tmp-1", MARKER_NAME, MARKER_NAME + "/x", "x" * 201,
              "ok/" + "y" * 201, "\udcff"]
