@@ -82,6 +82,7 @@ class Fsck:
     bad_records: set[int] = field(default_factory=set)     # chunks whose record is damaged
     bad_inodes: set[int] = field(default_factory=set)      # inodes whose record is damaged
     twins: int = 0                                         # chunks whose bytes another holds
+    notes: list[str] = field(default_factory=list)         # said, but not problems
 
     def problem(self, check: str, message: str, repair: Optional[Repair] = None) -> None:
         self.findings.append(Finding(check, message, repair))
@@ -380,7 +381,9 @@ class Fsck:
 
     def check_packs(self) -> None:
         """Pack records count exactly the chunks in them; every pack they name is
-        in the backing store; packs no record names are dead (gc's to delete)."""
+        in the backing store. A pack no record names is a leftover of an
+        interrupted tiering pass when an intent names it (a note: the next mount
+        deletes it), else a dead pack (a problem: gc's to delete)."""
         live: Counter = Counter()
         live_bytes: Counter = Counter()
         in_pack: dict[int, list[Chunk]] = defaultdict(list)
@@ -409,6 +412,11 @@ class Fsck:
         for pack_no in live.keys() - recorded.keys():
             self.problem("packs", f"chunks name pack {pack_no}, which has no record",
                          _put_pack(ix.PackInfo(pack_no, live[pack_no], live_bytes[pack_no], 0)))
+        intents = set(ix.pack_intents(self.index))
+        for pack_no in sorted(intents & (recorded.keys() | live.keys())):
+            self.problem("packs", f"pack {pack_no} is recorded and still marked as being "
+                         "written", _delete_intent(pack_no))
+        intents -= recorded.keys() | live.keys()
         if self.backend is None:
             return                      # check_reachable said what was not checked
         try:
@@ -424,8 +432,17 @@ class Fsck:
                 self._check_trailer(pack_no, in_pack[pack_no])
         named = {packs.pack_name(n) for n in recorded} | {packs.pack_name(n) for n in live}
         for blob in sorted(blobs - named):
-            self.problem("packs", f"{blob} is named by nothing (dead pack)",
-                         self._delete_blob_later(blob))
+            if packs.pack_number(blob) in intents:
+                self.notes.append(f"{blob} was left by an interrupted tiering pass; removed at "
+                                  "the next mount or by ckptfs gc")
+            else:
+                self.problem("packs", f"{blob} is named by nothing (dead pack)",
+                             self._delete_blob_later(blob))
+        for pack_no in sorted(intents):
+            if packs.pack_name(pack_no) not in blobs:
+                self.notes.append(f"pack {pack_no} was being written when a tiering pass was "
+                                  "interrupted (never committed); the next mount or ckptfs gc "
+                                  "removes what is left of it")
 
     def check_snapshots(self) -> None:
         """The newest snapshot head in the store reads and names a readable root
@@ -587,6 +604,8 @@ def _put_pack(pack: ix.PackInfo) -> Repair:
     return lambda txn: ix.put_pack(txn, pack)
 
 
+def _delete_intent(pack_no: int) -> Repair:
+    return lambda txn: ix.delete_pack_intent(txn, pack_no)
 
 
 def _delete(db: str, key: bytes) -> Repair:
@@ -760,6 +779,8 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
         if checker.twins:
             print(f"note: {checker.twins} chunks hold bytes another chunk holds too (data "
                   "written with dedup=off)", file=out)
+        for note in checker.notes:
+            print(f"note: {note}", file=out)
         if not checker.findings:
             unread = "" if verify_data else "; data not read: --no-data"
             print(f"{opts.source}: clean ({len(checker.inodes)} inodes, "

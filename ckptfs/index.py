@@ -18,6 +18,13 @@ order; little-endian in values):
                            marker names it); absent until the first one is
               b"store_path" -> where that store was created (used when no
                            backing= is given)
+              b"pack_intent/" + u64 pack no -> u64 wall-clock ns: "this pack
+                           is being written". Durable before the pack's first
+                           byte is; deleted in the batch that records the pack
+                           (the tiering flip), or once the pack an interrupted
+                           pass left is deleted (next mount, gc). A pack in the
+                           store that no record and no intent names was not
+                           written by this filesystem's mover.
               b"log_path" -> the log this index was last mounted with: relative
                            to the state directory when it lies inside it, else
                            absolute (used by mount and fsck when no pmem= is
@@ -1193,6 +1200,24 @@ class PackInfo:
     live_chunks: int
     live_bytes: int
     size_bytes: int
+
+
+_INTENT = b"pack_intent/"
+
+
+def put_pack_intent(kv, pack_no: int, now_ns: int) -> None:
+    """Pack pack_no is about to be written (durable before its first byte)."""
+    kv.put("meta", _INTENT + u64(pack_no), _LOGLOC.pack(now_ns))
+
+
+def delete_pack_intent(kv, pack_no: int) -> None:
+    kv.delete("meta", _INTENT + u64(pack_no))
+
+
+def pack_intents(kv) -> list[int]:
+    """Numbers of the packs being written, or left by an interrupted pass."""
+    return [read_u64(k[len(_INTENT):])
+            for k, _ in kv.items("meta", _INTENT, _INTENT[:-1] + b"0")]
 
 
 def get_pack(kv, pack_no: int) -> Optional[PackInfo]:

@@ -169,6 +169,8 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("index_map_bytes", "ckptfs_index_map_bytes", "LMDB index map size"),
     ("tier_backlog_bytes", "ckptfs_tier_backlog_bytes",
      "Bytes the tiering policy wants moved and not moved yet"),
+    ("tier_leftover_packs", "ckptfs_tier_leftover_packs",
+     "Packs interrupted tiering passes left in the backing store, still to remove"),
     ("tier_longest_writer_wait_s", "ckptfs_tier_longest_writer_wait_seconds",
      "Longest time a writer waited for log space since mount"),
     ("uptime_s", "ckptfs_uptime_seconds", "Seconds since the daemon mounted"),

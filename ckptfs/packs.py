@@ -48,6 +48,7 @@ Packs live under "packs/" (`pack_name`).
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 from typing import Iterable, Optional, Union
@@ -114,6 +115,18 @@ def pack_name(pack_id: Union[bytes, int]) -> str:
         h = bytes(pack_id).hex()
         return f"{PACK_PREFIX}{h[:2]}/{h}{PACK_SUFFIX}"
     raise TypeError(f"pack id must be bytes or int, not {type(pack_id).__name__}")
+
+
+_COUNTER_NAME = re.compile(re.escape(PACK_PREFIX) + r"([0-9a-f]{2})/([0-9a-f]{16})"
+                           + re.escape(PACK_SUFFIX))
+
+
+def pack_number(name: str) -> Optional[int]:
+    """The id of a pack named by `pack_name(int)`, or None for any other name."""
+    m = _COUNTER_NAME.fullmatch(name)
+    if m is None or m.group(2)[-2:] != m.group(1):
+        return None
+    return int(m.group(2), 16)
 
 
 def _buffers(payload) -> Iterable[memoryview]:

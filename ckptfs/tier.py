@@ -9,19 +9,23 @@ fuller than `high_watermark`, hot versions go too, oldest first, until the
 plan brings it under `low_watermark`; writers that find the log full wait
 (`make_room`) while that happens.
 
-Moving (`Tierer.tier_once`): on the trio thread, plan; on a worker thread,
-read each chunk from the log (verified), compress it (`codec`), append it to
-a pack, commit the pack (temp name, fsync, rename, fsync dir: `backing`);
-back on the trio thread, flip every chunk that is still where it was to its
-pack location in the open index batch. Its log space is released once that
-batch is durable and no read that might still use it is in flight. After a
-pass (not one a waiting writer runs) and at unmount, a snapshot of the whole
-namespace goes to the store (`snapshots.Publisher`, docs/STORE.md), so
-`ckptfs recover` can rebuild the newest state from the store alone. Packs
-whose last chunk went are deleted only once a snapshot newer than that is
-published. Failures (store missing, read-only, full, slow) leave hot data
-alone; the mover retries with backoff and says why in the log and in
-`ckptfs stat`.
+Moving (`Tierer.tier_once`): on the trio thread, plan, and make an intent
+("pack N is being written") durable in the index; on a worker thread, read
+each chunk from the log (verified), compress it (`codec`), append it to a
+pack, commit the pack (temp name, fsync, rename, fsync dir: `backing`); back
+on the trio thread, flip every chunk that is still where it was to its pack
+location, record the pack and clear its intent, all in the open index batch.
+A moved chunk's log space is released once that batch is durable and no
+read that might still use it is in flight. A pack an interrupted pass left
+(an intent, no record: a crash, a failed write) is deleted in the background
+from the next mount on (`clean_leftovers`); the mount never deletes a pack no
+intent of this filesystem names. After a pass (not one a waiting writer runs)
+and at unmount, a snapshot of the whole namespace goes to the store
+(`snapshots.Publisher`, docs/STORE.md), so `ckptfs recover` can rebuild the
+newest state from the store alone. Packs whose last chunk went are deleted
+only once a snapshot newer than that is published. Failures (store missing,
+read-only, full, slow) leave hot data alone; the mover retries with backoff
+and says why in the log and in `ckptfs stat`.
 
 Reading (`ColdStore`): a cold chunk's payload range is read from its pack,
 CRC-checked, decompressed, and its BLAKE3 id verified before a byte is used;
@@ -59,6 +63,12 @@ from .snapshots import Published, Publisher
 log = logging.getLogger(__name__)
 
 PREFETCH_BATCH = 8               # cold chunks per prefetch call
+
+# Test hook: CKPTFS_DEBUG_PAUSE="POINT:PATH" stops the mover for good at POINT
+# (pack-writing: a pack half written; pack-written: committed, not yet named;
+# pass-done: a pass finished and durable) after creating PATH, so that crash
+# tests kill the daemon exactly there instead of sleeping and hoping.
+DEBUG_PAUSE = os.environ.get("CKPTFS_DEBUG_PAUSE", "")
 # Room a pack leaves free in the backing store: file system blocks and
 # directories, manifests, other writers. A store with less free space than a
 # pack takes smaller packs; one with less than this margin, none (BackingFull).
@@ -324,6 +334,8 @@ class Tierer:
         self._nearly_full = False
         self._writers_waiting = 0
         self._mover_thread = BackgroundThread()
+        self._writing: set[int] = set()   # packs this pass is writing (intents in flight)
+        self._leftovers = trio.Event()    # a pack write failed: clean up after it
         self._damage_seen: set[str] = set()
 
     # ------------------------------------------------------------- the task
@@ -335,6 +347,7 @@ class Tierer:
             with trio.CancelScope() as self._scope:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
+                    nursery.start_soon(self._clean_leftovers_task)
                     task_status.started()
                     await self._loop()
         finally:
@@ -344,7 +357,7 @@ class Tierer:
 
     async def stop(self) -> None:
         """Cancel the mover and wait until it is gone (a pack in flight is
-        finished but never referenced: a dead pack gc removes)."""
+        finished but never named: its intent has the next mount delete it)."""
         self._scope.cancel()
         await self._stopped.wait()
 
@@ -576,6 +589,10 @@ class Tierer:
                     break
             elif self._writers_waiting and progress is None:
                 break               # let the waiting writer's pass have the lock
+        if _pausing_at("pass-done"):
+            await self.index.wait_durable(self.index.current_seq())
+            _pause_now("pass-done")
+            await trio.sleep_forever()
         self.rounds += 1
         self.last_error = None
         self._backoff_s = 0.0
@@ -598,13 +615,29 @@ class Tierer:
         many chunks it took and the logical bytes moved."""
         pack_no = self.index.allocate_id(b"next_pack")
         epoch = self.files.begin_read()      # the log bytes we read stay put meanwhile
+        self._writing.add(pack_no)
+        started = False
         try:
+            # Durable before the pack's first byte: whatever happens from here
+            # on, the next mount knows this pack as its own leftover.
+            ix.put_pack_intent(self.index, pack_no, time.time_ns())
+            await self.index.wait_durable(self.index.current_seq())
+            started = True
             written = await self._mover_thread.run(self._write_pack_blocking, pack_no, batch)
+        except BaseException:
+            self._writing.discard(pack_no)
+            if started:
+                self._leftovers.set()   # the pack may be there (a commit's outcome unknown)
+            elif self.index.failure is None:
+                ix.delete_pack_intent(self.index, pack_no)   # never begun (unmount)
+            raise
         finally:
             self.files.end_read(epoch)
         entries, size = written
         self.packs_written += 1
-        return len(entries), self._flip(pack_no, size, batch, entries)
+        moved = self._flip(pack_no, size, batch, entries)     # names it, clears the intent
+        self._writing.discard(pack_no)
+        return len(entries), moved
 
     def _room_blocking(self) -> Optional[int]:
         """Bytes the next pack may take: the store's free space less a margin
@@ -643,17 +676,25 @@ class Tierer:
                         break               # the pack ends here; the rest goes in the next
                     by_id[cid] = writer.add(cid, enc.codec, enc.param, enc.payload,
                                             chunk.length)
+                    if len(writer) == 1 and _pausing_at("pack-writing"):
+                        _pause_now("pack-writing")
+                        threading.Event().wait()
                 out.append(by_id[cid])
             writer.commit()
         except BaseException:
             writer.abort()
             raise
+        if _pausing_at("pack-written"):
+            _pause_now("pack-written")
+            threading.Event().wait()
         return out, writer.bytes_written
 
     def _flip(self, pack_no: int, size: int, batch: list[Chunk],
               entries: list[Optional[packs.PackEntry]]) -> int:
-        """Point every chunk that is still where we read it at its pack copy."""
+        """Point every chunk that is still where we read it at its pack copy;
+        record the pack and clear its intent (one batch)."""
         ix.put_pack(self.index, ix.PackInfo(pack_no, 0, 0, size))
+        ix.delete_pack_intent(self.index, pack_no)
         moved = 0
         for old, entry in zip(batch, entries):
             if entry is None:
@@ -696,6 +737,61 @@ class Tierer:
 
     # --------------------------------------------------------------- cleanup
 
+    def leftover_packs(self) -> list[int]:
+        """Packs interrupted passes left: an intent, no pass writing it now."""
+        return [n for n in ix.pack_intents(self.index) if n not in self._writing]
+
+    async def _clean_leftovers_task(self) -> None:
+        """From mount on: delete what interrupted passes left, in the background
+        (a slow or absent store never holds up the mount), retrying with
+        backoff until it is done; again whenever a pack write fails."""
+        delay_s = 1.0
+        said = None
+        while True:
+            try:
+                await self.clean_leftovers()
+            except (CkptfsError, OSError) as e:
+                if str(e) != said:
+                    said = str(e)
+                    log.warning("could not remove packs left by an interrupted tiering pass "
+                                "(retrying): %s", e)
+                await trio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 60.0)
+                continue
+            delay_s, said = 1.0, None
+            await self._leftovers.wait()
+            self._leftovers = trio.Event()
+
+    async def clean_leftovers(self) -> int:
+        """Undo interrupted passes: delete each pack (and its temporary) that an
+        intent names and no pack record does, then clear the intents. Only
+        packs this filesystem's intents name are touched. Returns how many."""
+        leftovers = self.leftover_packs()
+        if not leftovers:
+            return 0
+        named = set()
+        for n in leftovers:
+            try:
+                if ix.get_pack(self.index, n) is not None:
+                    named.add(n)        # flipped after all: the pack is live
+            except FormatError:
+                named.add(n)            # damaged record: keep the pack (fsck reports it)
+        gone = [n for n in leftovers if n not in named]
+        if gone:
+            await trio.to_thread.run_sync(self._delete_leftovers_blocking, gone,
+                                          limiter=self.limiter)
+            log.info("removed %d packs left by an interrupted tiering pass", len(gone))
+        for n in leftovers:
+            if n not in self._writing:
+                ix.delete_pack_intent(self.index, n)
+        return len(gone)
+
+    def _delete_leftovers_blocking(self, pack_nos: list[int]) -> None:
+        for n in pack_nos:
+            name = packs.pack_name(n)
+            self.backend.delete(name)
+            self.backend.remove_incomplete_of(name)
+
     def collect_garbage(self) -> None:
         """Packs whose every chunk is gone are deleted (once that is durable)."""
         zombie_packs = {z.pack_no for z in self.files.zombies.values() if z.kind == CHUNK_PACK}
@@ -729,6 +825,10 @@ class Tierer:
                       for k, _ in self.index.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))}
             stray, temp = await trio.to_thread.run_sync(self._gc_blocking, named,
                                                         limiter=self.limiter)
+            # No pass runs (the lock): every intent is a leftover, its pack gone now.
+            for n in self.leftover_packs():
+                ix.delete_pack_intent(self.index, n)
+            await self.index.wait_durable(self.index.current_seq())
             return {"dead_packs": dead + stray, "stale_manifests": done.manifests_deleted,
                     "old_heads": done.heads_deleted, "objects": done.objects_deleted,
                     "temporary_files": temp, "snapshot": done.seq}
@@ -810,6 +910,7 @@ class Tierer:
             "tier_backlog_bytes": self.backlog_bytes,
             "tier_moved_bytes": self.moved_bytes,
             "tier_packs_written": self.packs_written,
+            "tier_leftover_packs": len(self.leftover_packs()),
             "tier_last_error": self.last_error,
             "tier_longest_writer_wait_s": round(self.longest_wait_s, 3),
             "cold_cache_hits": self.cold.hits,
@@ -819,6 +920,17 @@ class Tierer:
             "snapshot_age_s": None if self.publisher.last is None
             else round(time.time() - self.publisher.last_time, 1),
         }
+
+
+def _pausing_at(point: str) -> bool:
+    return DEBUG_PAUSE.partition(":")[0] == point
+
+
+def _pause_now(point: str) -> None:
+    """The test hook (DEBUG_PAUSE) reached its point: say so with its file."""
+    log.warning("debug pause at %s (CKPTFS_DEBUG_PAUSE)", point)
+    with open(DEBUG_PAUSE.partition(":")[2], "w") as f:
+        f.write(point)
 
 
 def _pack_size(writer: packs.PackWriter, payload_bytes: int) -> int:

@@ -233,6 +233,14 @@ class Backend(ABC):
         without such leftovers return 0."""
         return 0
 
+    def remove_incomplete_of(self, name: str) -> int:
+        """Remove the leftovers of uncommitted writes of blob `name`, whatever
+        their age (the caller knows its writer is gone: a crash); return how
+        many. Leftovers of other names are left alone (other writers, other
+        filesystems sharing the store). Backends without such leftovers
+        return 0."""
+        return 0
+
     def close(self) -> None:
         """Release cached resources (open files, connections). Idempotent."""
 

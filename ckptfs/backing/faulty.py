@@ -206,6 +206,9 @@ class FaultyBackend(Backend):
     def remove_incomplete(self, older_than: float = 3600.0) -> int:
         return self.inner.remove_incomplete(older_than)
 
+    def remove_incomplete_of(self, name: str) -> int:
+        return self.inner.remove_incomplete_of(name)
+
     def close(self) -> None:
         self.inner.close()
 

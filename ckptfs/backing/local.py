@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import stat
 import threading
@@ -412,6 +413,34 @@ class LocalBackend(Backend):
                     continue
                 except OSError as e:
                     raise self._os_error(e, "delete", os.path.relpath(path, self.root)) from e
+        return removed
+
+    def remove_incomplete_of(self, name: str) -> int:
+        path = self._path(name)
+        self._verify_marker()
+        where, base = os.path.split(path)
+        mine = re.compile(re.escape(f".{base}{TMP_TAG}") + "[0-9a-f]{16}")
+        try:
+            entries = os.listdir(where)
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        except OSError as e:
+            raise self._os_error(e, "list", name) from e
+        removed = 0
+        for f in entries:
+            if mine.fullmatch(f):
+                try:
+                    os.unlink(os.path.join(where, f))
+                    removed += 1
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    raise self._os_error(e, "delete", name) from e
+        if removed:
+            try:
+                _fsync_dir(where)
+            except OSError as e:
+                raise self._os_error(e, "delete", name) from e
         return removed
 
     def close(self) -> None:

@@ -606,6 +606,31 @@ class S3Backend(Backend):
             removed += 1
         return removed
 
+    def remove_incomplete_of(self, name: str) -> int:
+        """Abort the multipart uploads of `name` still open (a crash mid-upload)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+        validate_name(name)
+        self._verify_marker()
+        key = self._key(name)
+        removed = 0
+        try:
+            s3 = self._client()
+            for page in s3.get_paginator("list_multipart_uploads").paginate(
+                    Bucket=self.bucket, Prefix=key):
+                for up in page.get("Uploads", ()):
+                    if up["Key"] != key:
+                        continue
+                    try:
+                        s3.abort_multipart_upload(Bucket=self.bucket, Key=key,
+                                                  UploadId=up["UploadId"])
+                        removed += 1
+                    except ClientError as e:
+                        if _code(e)[0] != "NoSuchUpload":     # finished meanwhile
+                            raise
+        except (ClientError, BotoCoreError) as e:
+            raise self._error(e, "delete", name) from e
+        return removed
+
     def close(self) -> None:
         with self._lock:
             s3, self._s3 = self._s3, None

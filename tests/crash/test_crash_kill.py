@@ -21,6 +21,11 @@ recovery. `-m soak` runs hundreds of crash points (40 seeds x 8, ~25 min).
 
 sync=lazy runs the same way, with writers that fsync before most closes
 ("committed") and journal the other closes as "closed" (old or new, whole).
+Tiering rounds (sync=lazy, hot_versions=0): the mover's debug hook stops a
+tiering pass at a named point (a pack half written, committed but not named,
+a pass just done) while the writers go on renaming; the daemon is killed
+there, and the next mount must undo what the pass left by itself.
+
 Smaller tests: a clean unmount keeps every lazy close, a lazy close is durable
 after lazy_delay, and SIGTERM under a writer keeps its file's old content.
 """
@@ -161,6 +166,87 @@ def test_sigkill_sync_close(make_mount, tmp_path, seed):
 def test_sigkill_sync_lazy(make_mount, tmp_path, seed):
     """sync=lazy: what was fsync'ed survives; what was only closed is old or new, whole."""
     crash_chain(make_mount, tmp_path, seed, ROUNDS, lazy=True)
+
+
+TIER_PAUSE_POINTS = ("pack-writing", "pack-written", "pass-done")
+
+
+def _wait_until(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def _renames(journals: dict[str, Path]) -> int:
+    return sum(1 for j in journals.values() for ln in read_journal(j) if ln.startswith("rename"))
+
+
+def test_sigkill_at_tiering_pause_points(make_mount, tmp_path, monkeypatch):
+    """sync=lazy, writers renaming checkpoints over each other every few hundred
+    ms, and SIGKILL exactly where a tiering pass is: a pack half written, a pack
+    committed but not yet named, a pass just finished; each point twice, as a
+    chain of rounds on one filesystem (recovery on top of recovery). The
+    mover's debug hook (CKPTFS_DEBUG_PAUSE) stops it there and says so; no
+    sleep hopes to hit the window. After each remount every path holds what its
+    journal allows and the mount removes what the pass left, by itself; at the
+    end the store keeps only named packs, no temporaries, and fsck is clean."""
+    from test_tier import store_packs
+    rng = random.Random(17)
+    m: Mount = make_mount(options=[LOG_SIZE, "sync=lazy", "hot_versions=0"], start=False)
+    baseline: dict[str, str] = {}
+    journals: dict[str, Path] = {}
+    for rnd, point in enumerate(TIER_PAUSE_POINTS * 2):
+        marker = tmp_path / f"paused-{rnd}"
+        monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"{point}:{marker}")
+        m.start()
+        monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
+        if journals:
+            _check_round(m, journals, baseline, f"SIGKILL at {TIER_PAUSE_POINTS[(rnd - 1) % 3]}")
+            baseline = observe(m.path)
+        journals = {f"w{i}": tmp_path / f"journal-{rnd}-w{i}" for i in range(N_WRITERS)}
+        procs = start_writers(m, journals, rng, lazy=True)
+        try:
+            # hot_versions=0: the background pass takes whatever is committed.
+            _wait_until(marker.exists, 180, f"round {rnd}: the mover never reached {point}")
+            seen = _renames(journals)
+            _wait_until(lambda: _renames(journals) > seen, 60,
+                        f"round {rnd}: no rename while the pass waited at {point}")
+            died = [(p.returncode, p.stderr.read().decode(errors="replace"))
+                    for p in procs if p.poll() is not None]
+            assert not died, f"round {rnd}: a writer failed before the crash: {died}"
+            m.kill()
+        finally:
+            stop_writers(procs)
+        named, intents, blobs, temps = store_packs(m)
+        if point == "pack-writing":
+            assert intents and temps, f"round {rnd}: no pack being written at the crash"
+        elif point == "pack-written":
+            assert intents and blobs - named, f"round {rnd}: no unnamed pack at the crash"
+        else:
+            assert blobs and not intents, f"round {rnd}: the pass was not over"
+    m.start()
+    _check_round(m, journals, baseline, f"SIGKILL at {TIER_PAUSE_POINTS[-1]}")
+    m.umount()
+    named, intents, blobs, temps = store_packs(m)
+    assert blobs <= named and not intents and not temps, (blobs - named, intents, temps)
+    res = m.fsck()
+    assert res.returncode == 0 and "interrupted" not in res.stdout, res.stdout + res.stderr
+
+
+def _check_round(m: Mount, journals: dict[str, Path], baseline: dict[str, str],
+                 what: str) -> None:
+    """After a remount: every path as its journal allows, and the mount's
+    cleanup of what the interrupted pass left done (by itself)."""
+    models = {}
+    for subdir, journal in journals.items():
+        model = Model({p: s for p, s in baseline.items() if p.startswith(subdir + "/")})
+        for line in read_journal(journal):
+            model.apply(line)
+        models[subdir] = model
+    check(models, observe(m.path), what)
+    _wait_until(lambda: m.stat()["tier_leftover_packs"] == 0, 60,
+                f"{what}: the leftovers were never removed")
 
 
 def test_lazy_clean_umount_keeps_every_close(make_mount, tmp_path):

@@ -414,6 +414,25 @@ def test_crash_mid_write_leaves_no_visible_blob(store, harness):
     assert after_restart.list() == ["m/old"]
 
 
+def test_remove_incomplete_of_one_name_after_a_crash(store, harness):
+    """The leftovers of one blob's interrupted write go, however young; the
+    writes of other names (other writers, other filesystems) are left alone."""
+    other = "packs/ab/" + "cd" * 32 + ".pack"
+    crashed = store.writer(PACK_NAME)
+    crashed.write(blob(200 * KIB))
+    busy = store.writer(other)                             # still being written
+    busy.write(blob(200 * KIB, 1))
+    after_restart = harness.reopen(store)
+    before = len(harness.leftovers(store))
+    removed = after_restart.remove_incomplete_of(PACK_NAME)
+    assert len(harness.leftovers(store)) == before - removed
+    assert removed == (1 if before else 0)
+    assert after_restart.remove_incomplete_of(PACK_NAME) == 0
+    assert after_restart.remove_incomplete_of("packs/ef/nothing.pack") == 0
+    busy.commit()
+    assert after_restart.list() == [other]
+
+
 def test_commit_replaces_a_name_atomically(store):
     put(store, "manifests/m.json", b"version 1")
     assert store.read("manifests/m.json", 0, 9) == b"version 1"     # caches an fd

@@ -51,6 +51,32 @@ def tier_now(m, *extra: str) -> subprocess.CompletedProcess:
     return run_ckptfs("tier", str(m.path), "--now", *extra, timeout=600)
 
 
+def wait_until(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def store_packs(m) -> tuple[set[str], set[int], set[str], list[Path]]:
+    """What an unmounted filesystem's index and store hold: (pack names the
+    index records, pack intents, pack blobs in the store, temporaries)."""
+    from ckptfs import index as ix
+    from ckptfs.packs import pack_name
+    idx = ix.Index(str(m.source / ".ckptfs" / "index"))
+    try:
+        named = {pack_name(ix.read_u64(k))
+                 for k, _ in idx.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))}
+        intents = set(ix.pack_intents(idx))
+    finally:
+        idx.close()
+    root = m.source / ".ckptfs" / "store"
+    blobs = {str(p.relative_to(root)) for p in (root / "packs").rglob("*.pack")
+             if not p.name.startswith(".")}
+    temps = [p for p in root.rglob(".*") if ".tmp-" in p.name]
+    return named, intents, blobs, temps
+
+
 def test_cold_versions_move_out_and_read_back(make_mount, fsck_clean):
     m = make_mount(options=["pmem_size=256M", "hot_versions=1"])
     files: dict[str, bytes] = {}
@@ -166,17 +192,24 @@ def test_damaged_pack_gives_eio_and_an_fsck_finding(make_mount):
     m.umount()
 
 
-def test_sigkill_during_tiering_loses_nothing(make_mount, fsck_clean):
+def test_sigkill_during_tiering_loses_nothing(make_mount, tmp_path, monkeypatch, fsck_clean):
+    """SIGKILL while `ckptfs tier --now` is half way through a pack (the mover's
+    debug hook stops it there: no sleep that hopes to hit the window)."""
+    marker = tmp_path / "paused"
+    monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"pack-writing:{marker}")
     m = make_mount(options=["pmem_size=512M", "hot_versions=0"])
+    monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
     files: dict[str, bytes] = {}
     for step in range(1, 6):
         files.update(write_version(m.path, step, size=12 * MiB))
     proc = subprocess.Popen([sys.executable, "-m", "ckptfs.cli", "tier", str(m.path), "--now"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             cwd=Path(__file__).resolve().parents[2])
-    time.sleep(0.8)
-    m.kill()
-    proc.wait(timeout=60)
+    try:
+        wait_until(marker.exists, 120, "the mover never started a pack")
+        m.kill()
+    finally:
+        proc.wait(timeout=60)
     m.start()
     verify(m.path, files)
     tier_now(m)                                 # finish the job after the crash
@@ -296,6 +329,49 @@ def test_read_only_store_fails_tiering_and_keeps_hot_data(make_mount, small_stor
     assert m.stat()["cold_bytes"] > 0
     m.remount()
     assert read_file(m.path / "a.bin") == data and read_file(m.path / "b.bin") == data[::-1]
+    check_clean(fsck_clean, m)
+
+
+def test_fsck_tells_an_interrupted_pass_from_damage(make_mount, tmp_path, monkeypatch,
+                                                    fsck_clean):
+    """SIGKILL after a pack is committed, before the index names it (the mover
+    stopped there by its debug hook): fsck notes the pack as a leftover of an
+    interrupted pass (exit 0), while a pack nothing names or intends is a
+    problem (exit 4); the next mount deletes the leftover by itself."""
+    marker = tmp_path / "paused"
+    monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"pack-written:{marker}")
+    m = make_mount(options=["pmem_size=128M", "hot_versions=0"])
+    monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
+    files = write_version(m.path, 1, size=2 * MiB)
+    proc = subprocess.Popen([sys.executable, "-m", "ckptfs.cli", "tier", str(m.path), "--now"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=Path(__file__).resolve().parents[2])
+    try:
+        wait_until(marker.exists, 120, "the mover never committed a pack")
+        m.kill()
+    finally:
+        proc.wait(timeout=60)
+    named, intents, blobs, temps = store_packs(m)
+    (leftover,) = blobs - named
+    assert intents, "no intent names the pack being written"
+    res = m.fsck()
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"note: {leftover} was left by an interrupted tiering pass" in res.stdout
+    store = m.source / ".ckptfs" / "store"
+    stray = store / "packs" / "ef" / "00000000deadbeef.pack"
+    stray.parent.mkdir(exist_ok=True)
+    shutil.copy(store / leftover, stray)                 # neither named nor intended
+    res = m.fsck()
+    assert res.returncode == 4 and "00000000deadbeef.pack is named by nothing" in res.stdout
+    stray.unlink()
+    m.start()
+    wait_until(lambda: m.stat()["tier_leftover_packs"] == 0, 60, "leftover never removed")
+    verify(m.path, files)
+    m.umount()
+    named, intents, blobs, temps = store_packs(m)
+    assert leftover not in blobs and blobs <= named and not intents and not temps
+    res = m.fsck()
+    assert res.returncode == 0 and "note:" not in res.stdout, res.stdout
     check_clean(fsck_clean, m)
 
 

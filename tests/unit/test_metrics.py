@@ -45,6 +45,7 @@ STATS = {
     "last_error": "disk on fire", "index_map_bytes": 1 << 30, "index_used_bytes": 1 << 20,
     "tier_state": "moving", "tier_backlog_bytes": 30 * MiB, "tier_moved_bytes": 60 * MiB,
     "tier_packs_written": 4, "tier_last_error": None, "tier_longest_writer_wait_s": 0.25,
+    "tier_leftover_packs": 1,
     "cold_cache_hits": 10, "cold_fetches": 5, "backing": "file:///store",
 }
 
@@ -74,6 +75,7 @@ EXPECTED = {
     "ckptfs_dedup_ratio": "dedup_ratio",
     "ckptfs_index_used_bytes": "index_used_bytes",
     "ckptfs_tier_backlog_bytes": "tier_backlog_bytes",
+    "ckptfs_tier_leftover_packs": "tier_leftover_packs",
     "ckptfs_tier_longest_writer_wait_seconds": "tier_longest_writer_wait_s",
     "ckptfs_uptime_seconds": "uptime_s",
     "ckptfs_read_only": "read_only",
