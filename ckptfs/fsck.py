@@ -383,7 +383,8 @@ class Fsck:
         """Pack records count exactly the chunks in them; every pack they name is
         in the backing store. A pack no record names is a leftover of an
         interrupted tiering pass when an intent names it (a note: the next mount
-        deletes it), else a dead pack (a problem: gc's to delete)."""
+        deletes it), a dead pack awaiting the next snapshot when marked so (a
+        note), else a pack nothing explains (a problem: gc's to delete)."""
         live: Counter = Counter()
         live_bytes: Counter = Counter()
         in_pack: dict[int, list[Chunk]] = defaultdict(list)
@@ -417,6 +418,11 @@ class Fsck:
             self.problem("packs", f"pack {pack_no} is recorded and still marked as being "
                          "written", _delete_intent(pack_no))
         intents -= recorded.keys() | live.keys()
+        dead = set(ix.dead_packs(self.index))
+        for pack_no in sorted(dead & (recorded.keys() | live.keys())):
+            self.problem("packs", f"pack {pack_no} is recorded and also marked dead",
+                         _delete_dead_mark(pack_no))
+        dead -= recorded.keys() | live.keys()
         if self.backend is None:
             return                      # check_reachable said what was not checked
         try:
@@ -435,6 +441,10 @@ class Fsck:
             if packs.pack_number(blob) in intents:
                 self.notes.append(f"{blob} was left by an interrupted tiering pass; removed at "
                                   "the next mount or by ckptfs gc")
+            elif packs.pack_number(blob) in dead:
+                self.notes.append(f"{blob} holds no live chunk; deleted once the next snapshot "
+                                  "is published (after the next mount's first pass, or by "
+                                  "ckptfs gc)")
             else:
                 self.problem("packs", f"{blob} is named by nothing (dead pack)",
                              self._delete_blob_later(blob))
@@ -606,6 +616,10 @@ def _put_pack(pack: ix.PackInfo) -> Repair:
 
 def _delete_intent(pack_no: int) -> Repair:
     return lambda txn: ix.delete_pack_intent(txn, pack_no)
+
+
+def _delete_dead_mark(pack_no: int) -> Repair:
+    return lambda txn: ix.delete_dead_pack(txn, pack_no)
 
 
 def _delete(db: str, key: bytes) -> Repair:

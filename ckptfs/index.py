@@ -22,9 +22,15 @@ order; little-endian in values):
                            is being written". Durable before the pack's first
                            byte is; deleted in the batch that records the pack
                            (the tiering flip), or once the pack an interrupted
-                           pass left is deleted (next mount, gc). A pack in the
-                           store that no record and no intent names was not
-                           written by this filesystem's mover.
+                           pass left is deleted (next mount, gc).
+              b"pack_dead/" + u64 pack no -> u64 wall-clock ns: the pack's last
+                           chunk went (its record is deleted in the same
+                           batch); its blob is deleted once a snapshot
+                           published after that is in the store, then this key
+                           (it survives a crash: the next mount's first
+                           snapshot deletes it). A pack in the store that no
+                           record, intent or dead mark names was not written
+                           by this filesystem's mover.
               b"log_path" -> the log this index was last mounted with: relative
                            to the state directory when it lies inside it, else
                            absolute (used by mount and fsck when no pmem= is
@@ -1218,6 +1224,23 @@ def pack_intents(kv) -> list[int]:
     """Numbers of the packs being written, or left by an interrupted pass."""
     return [read_u64(k[len(_INTENT):])
             for k, _ in kv.items("meta", _INTENT, _INTENT[:-1] + b"0")]
+
+
+_DEAD = b"pack_dead/"
+
+
+def put_dead_pack(kv, pack_no: int, now_ns: int) -> None:
+    """Pack pack_no has no live chunk left: its blob goes after the next snapshot."""
+    kv.put("meta", _DEAD + u64(pack_no), _LOGLOC.pack(now_ns))
+
+
+def delete_dead_pack(kv, pack_no: int) -> None:
+    kv.delete("meta", _DEAD + u64(pack_no))
+
+
+def dead_packs(kv) -> list[int]:
+    """Numbers of dead packs whose blobs may still be in the store."""
+    return [read_u64(k[len(_DEAD):]) for k, _ in kv.items("meta", _DEAD, _DEAD[:-1] + b"0")]
 
 
 def get_pack(kv, pack_no: int) -> Optional[PackInfo]:

@@ -66,8 +66,9 @@ PREFETCH_BATCH = 8               # cold chunks per prefetch call
 
 # Test hook: CKPTFS_DEBUG_PAUSE="POINT:PATH" stops the mover for good at POINT
 # (pack-writing: a pack half written; pack-written: committed, not yet named;
-# pass-done: a pass finished and durable) after creating PATH, so that crash
-# tests kill the daemon exactly there instead of sleeping and hoping.
+# pass-done: a pass finished and durable; pack-dead: a pack that lost its
+# last chunk left the index, its blob not yet deleted) after creating PATH, so
+# that crash tests kill the daemon exactly there instead of sleeping and hoping.
 DEBUG_PAUSE = os.environ.get("CKPTFS_DEBUG_PAUSE", "")
 # Room a pack leaves free in the backing store: file system blocks and
 # directories, manifests, other writers. A store with less free space than a
@@ -347,6 +348,7 @@ class Tierer:
             with trio.CancelScope() as self._scope:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
+                    self._resume_dead_pack_deletes()
                     nursery.start_soon(self._clean_leftovers_task)
                     task_status.started()
                     await self._loop()
@@ -374,8 +376,7 @@ class Tierer:
                 continue            # nothing committed since the last plan: nothing new is cold
             try:
                 await self.tier_once()
-                self.collect_garbage()
-                await self.publish()
+                await self._collect_garbage_and_publish()
             except (CkptfsError, OSError) as e:
                 self._failed(e)
             except Exception as e:  # noqa: BLE001 - a bug must not take the mount down
@@ -396,9 +397,7 @@ class Tierer:
         progress = self.progress
         try:
             await self.tier_once(everything=everything, progress=progress, wait=True)
-            self.collect_garbage()
-            await self.index.wait_durable(self.index.current_seq())
-            await self.publish()
+            await self._collect_garbage_and_publish()
         except (CkptfsError, OSError) as e:
             self._failed(e)
             progress.error = str(e)
@@ -721,7 +720,38 @@ class Tierer:
         """A snapshot of the namespace to the store, unless nothing changed since
         the last one. Writers never wait for it (it has its own lock)."""
         async with self._publishing:
-            return await self.publisher.publish(force=force)
+            return await self._publish_locked(force)
+
+    async def _collect_garbage_and_publish(self) -> None:
+        """After a pass: packs with no live chunk leave the index (marked dead),
+        then a snapshot, which deletes their blobs."""
+        died = self.collect_garbage()
+        if died and _pausing_at("pack-dead"):
+            await self.index.wait_durable(self.index.current_seq())
+            _pause_now("pack-dead")
+            await trio.sleep_forever()
+        await self.publish()
+
+    async def _publish_locked(self, force: bool) -> Optional[Published]:
+        """Publish (the caller holds the publish lock); the dead packs it deleted
+        lose their marks in the index."""
+        deleting = list(self.publisher.pending_pack_deletes)
+        done = await self.publisher.publish(force=force)
+        if done is not None:
+            for name in deleting:
+                n = packs.pack_number(name)
+                if n is not None:
+                    ix.delete_dead_pack(self.index, n)
+        return done
+
+    def _resume_dead_pack_deletes(self) -> None:
+        """Dead packs a crash (or an unpublished snapshot) left: the next
+        snapshot deletes them, as it would have before the crash."""
+        pending = set(self.publisher.pending_pack_deletes)
+        for n in ix.dead_packs(self.index):
+            name = packs.pack_name(n)
+            if name not in pending:
+                self.publisher.pending_pack_deletes.append(name)
 
     async def publish_at_unmount(self) -> None:
         """The last snapshot, after the final commits (the mover is stopped)."""
@@ -792,18 +822,23 @@ class Tierer:
             self.backend.delete(name)
             self.backend.remove_incomplete_of(name)
 
-    def collect_garbage(self) -> None:
-        """Packs whose every chunk is gone are deleted (once that is durable)."""
+    def collect_garbage(self) -> int:
+        """Packs whose every chunk is gone leave the index, marked dead in the same
+        batch; their blobs go with the next snapshot. Returns how many."""
         zombie_packs = {z.pack_no for z in self.files.zombies.values() if z.kind == CHUNK_PACK}
+        died = 0
         for k, v in list(self.index.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))):
             pack = ix.get_pack(self.index, ix.read_u64(k))
             if pack.live_chunks == 0 and pack.pack_no not in zombie_packs:
                 ix.delete_pack(self.index, pack.pack_no)
+                ix.put_dead_pack(self.index, pack.pack_no, time.time_ns())   # crash-proof
+                died += 1
                 name = packs.pack_name(pack.pack_no)
                 # The newest snapshot may still name its chunks: the blob goes once
                 # a snapshot of a state without them is published.
                 self.index.after_durable(
                     lambda name=name: self.publisher.pending_pack_deletes.append(name))
+        return died
 
     async def gc(self) -> dict[str, int]:
         """`ckptfs gc`: publish a snapshot, then delete dead packs (and packs a
@@ -819,15 +854,19 @@ class Tierer:
                        if ix.get_pack(self.index, ix.read_u64(k)).live_chunks == 0)
             self.collect_garbage()
             await self.index.wait_durable(self.index.current_seq())
-            done = await self.publisher.publish(force=True)
+            done = await self._publish_locked(force=True)
             named = {packs.pack_name(n) for n in done.packs_named}
             named |= {packs.pack_name(ix.read_u64(k))
                       for k, _ in self.index.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))}
             stray, temp = await trio.to_thread.run_sync(self._gc_blocking, named,
                                                         limiter=self.limiter)
-            # No pass runs (the lock): every intent is a leftover, its pack gone now.
+            # No pass runs (the lock): every intent is a leftover, every dead
+            # pack unnamed by the snapshot: their blobs are gone now.
             for n in self.leftover_packs():
                 ix.delete_pack_intent(self.index, n)
+            for n in ix.dead_packs(self.index):
+                if packs.pack_name(n) not in named:
+                    ix.delete_dead_pack(self.index, n)
             await self.index.wait_durable(self.index.current_seq())
             return {"dead_packs": dead + stray, "stale_manifests": done.manifests_deleted,
                     "old_heads": done.heads_deleted, "objects": done.objects_deleted,

@@ -168,7 +168,7 @@ def test_sigkill_sync_lazy(make_mount, tmp_path, seed):
     crash_chain(make_mount, tmp_path, seed, ROUNDS, lazy=True)
 
 
-TIER_PAUSE_POINTS = ("pack-writing", "pack-written", "pass-done")
+TIER_PAUSE_POINTS = ("pack-writing", "pack-written", "pass-done", "pack-dead")
 
 
 def _wait_until(check, timeout_s: float, what: str) -> None:
@@ -185,7 +185,8 @@ def _renames(journals: dict[str, Path]) -> int:
 def test_sigkill_at_tiering_pause_points(make_mount, tmp_path, monkeypatch):
     """sync=lazy, writers renaming checkpoints over each other every few hundred
     ms, and SIGKILL exactly where a tiering pass is: a pack half written, a pack
-    committed but not yet named, a pass just finished; each point twice, as a
+    committed but not yet named, a pass just finished, a dead pack whose blob
+    waits for the next snapshot; each point twice, as a
     chain of rounds on one filesystem (recovery on top of recovery). The
     mover's debug hook (CKPTFS_DEBUG_PAUSE) stops it there and says so; no
     sleep hopes to hit the window. After each remount every path holds what its
@@ -202,7 +203,8 @@ def test_sigkill_at_tiering_pause_points(make_mount, tmp_path, monkeypatch):
         m.start()
         monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
         if journals:
-            _check_round(m, journals, baseline, f"SIGKILL at {TIER_PAUSE_POINTS[(rnd - 1) % 3]}")
+            _check_round(m, journals, baseline,
+                         f"SIGKILL at {TIER_PAUSE_POINTS[(rnd - 1) % len(TIER_PAUSE_POINTS)]}")
             baseline = observe(m.path)
         journals = {f"w{i}": tmp_path / f"journal-{rnd}-w{i}" for i in range(N_WRITERS)}
         procs = start_writers(m, journals, rng, lazy=True)
@@ -218,18 +220,21 @@ def test_sigkill_at_tiering_pause_points(make_mount, tmp_path, monkeypatch):
             m.kill()
         finally:
             stop_writers(procs)
-        named, intents, blobs, temps = store_packs(m)
+        named, intents, blobs, temps, dead = store_packs(m)
         if point == "pack-writing":
             assert intents and temps, f"round {rnd}: no pack being written at the crash"
         elif point == "pack-written":
             assert intents and blobs - named, f"round {rnd}: no unnamed pack at the crash"
-        else:
+        elif point == "pass-done":
             assert blobs and not intents, f"round {rnd}: the pass was not over"
+        else:
+            assert dead and blobs - named, f"round {rnd}: no dead pack waiting"
     m.start()
     _check_round(m, journals, baseline, f"SIGKILL at {TIER_PAUSE_POINTS[-1]}")
     m.umount()
-    named, intents, blobs, temps = store_packs(m)
-    assert blobs <= named and not intents and not temps, (blobs - named, intents, temps)
+    named, intents, blobs, temps, dead = store_packs(m)
+    assert blobs <= named and not intents and not temps and not dead, \
+        (blobs - named, intents, temps, dead)
     res = m.fsck()
     assert res.returncode == 0 and "interrupted" not in res.stdout, res.stdout + res.stderr
 

@@ -58,9 +58,10 @@ def wait_until(check, timeout_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def store_packs(m) -> tuple[set[str], set[int], set[str], list[Path]]:
+def store_packs(m) -> tuple[set[str], set[int], set[str], list[Path], set[int]]:
     """What an unmounted filesystem's index and store hold: (pack names the
-    index records, pack intents, pack blobs in the store, temporaries)."""
+    index records, pack intents, pack blobs in the store, temporaries, packs
+    marked dead)."""
     from ckptfs import index as ix
     from ckptfs.packs import pack_name
     idx = ix.Index(str(m.source / ".ckptfs" / "index"))
@@ -68,13 +69,14 @@ def store_packs(m) -> tuple[set[str], set[int], set[str], list[Path]]:
         named = {pack_name(ix.read_u64(k))
                  for k, _ in idx.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))}
         intents = set(ix.pack_intents(idx))
+        dead = set(ix.dead_packs(idx))
     finally:
         idx.close()
     root = m.source / ".ckptfs" / "store"
     blobs = {str(p.relative_to(root)) for p in (root / "packs").rglob("*.pack")
              if not p.name.startswith(".")}
     temps = [p for p in root.rglob(".*") if ".tmp-" in p.name]
-    return named, intents, blobs, temps
+    return named, intents, blobs, temps, dead
 
 
 def test_cold_versions_move_out_and_read_back(make_mount, fsck_clean):
@@ -351,7 +353,7 @@ def test_fsck_tells_an_interrupted_pass_from_damage(make_mount, tmp_path, monkey
         m.kill()
     finally:
         proc.wait(timeout=60)
-    named, intents, blobs, temps = store_packs(m)
+    named, intents, blobs, temps, dead_marks = store_packs(m)
     (leftover,) = blobs - named
     assert intents, "no intent names the pack being written"
     res = m.fsck()
@@ -368,8 +370,47 @@ def test_fsck_tells_an_interrupted_pass_from_damage(make_mount, tmp_path, monkey
     wait_until(lambda: m.stat()["tier_leftover_packs"] == 0, 60, "leftover never removed")
     verify(m.path, files)
     m.umount()
-    named, intents, blobs, temps = store_packs(m)
+    named, intents, blobs, temps, dead_marks = store_packs(m)
     assert leftover not in blobs and blobs <= named and not intents and not temps
+    res = m.fsck()
+    assert res.returncode == 0 and "note:" not in res.stdout, res.stdout
+    check_clean(fsck_clean, m)
+
+
+def test_dead_pack_survives_a_crash_only_until_the_next_snapshot(make_mount, tmp_path,
+                                                                  monkeypatch, fsck_clean):
+    """A pack whose last chunk went leaves the index at once, its blob only
+    after the next snapshot. SIGKILL in between (the mover's debug hook stops
+    it there): fsck notes the blob as dead, waiting for a snapshot (exit 0);
+    the next mount's first snapshot deletes it by itself."""
+    marker = tmp_path / "paused"
+    monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"pack-dead:{marker}")
+    m = make_mount(options=["pmem_size=128M", "hot_versions=0"])
+    monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
+    write_version(m.path, 1, size=2 * MiB)
+    tier_now(m, "--all")
+    kept = write_version(m.path, 2, size=1 * MiB)
+    shutil.rmtree(m.path / "step_1")                    # its pack has no live chunk left
+    proc = subprocess.Popen([sys.executable, "-m", "ckptfs.cli", "tier", str(m.path), "--now"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=Path(__file__).resolve().parent.parent)
+    try:
+        wait_until(marker.exists, 120, "no pack died")
+        m.kill()
+    finally:
+        proc.wait(timeout=60)
+    named, intents, blobs, temps, dead_marks = store_packs(m)
+    (dead,) = blobs - named
+    res = m.fsck()
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"note: {dead} holds no live chunk" in res.stdout
+    m.start()
+    wait_until(lambda: not (m.source / ".ckptfs" / "store" / dead).exists(), 120,
+               "the dead pack was never deleted")
+    verify(m.path, kept)
+    m.umount()
+    named, intents, blobs, temps, dead_marks = store_packs(m)
+    assert blobs <= named and not intents and not temps and not dead_marks
     res = m.fsck()
     assert res.returncode == 0 and "note:" not in res.stdout, res.stdout
     check_clean(fsck_clean, m)
