@@ -48,6 +48,7 @@ import pytest
 from ckptfs.proc import process_exited
 from conftest import Mount
 from journal_model import ABSENT, Model, check, short
+from store_state import store_packs
 
 WRITER = Path(__file__).resolve().parent / "helpers" / "crash_writer.py"
 N_WRITERS = 3
@@ -192,7 +193,6 @@ def test_sigkill_at_tiering_pause_points(make_mount, tmp_path, monkeypatch):
     sleep hopes to hit the window. After each remount every path holds what its
     journal allows and the mount removes what the pass left, by itself; at the
     end the store keeps only named packs, no temporaries, and fsck is clean."""
-    from test_tier import store_packs
     rng = random.Random(17)
     m: Mount = make_mount(options=[LOG_SIZE, "sync=lazy", "hot_versions=0"], start=False)
     baseline: dict[str, str] = {}

@@ -19,6 +19,7 @@ import pytest
 
 from conftest import run_ckptfs
 from posix_helpers import check_clean, pattern, read_file, write_file
+from store_state import store_packs
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -56,27 +57,6 @@ def wait_until(check, timeout_s: float, what: str) -> None:
     while not check():
         assert time.monotonic() < deadline, what
         time.sleep(0.02)
-
-
-def store_packs(m) -> tuple[set[str], set[int], set[str], list[Path], set[int]]:
-    """What an unmounted filesystem's index and store hold: (pack names the
-    index records, pack intents, pack blobs in the store, temporaries, packs
-    marked dead)."""
-    from ckptfs import index as ix
-    from ckptfs.packs import pack_name
-    idx = ix.Index(str(m.source / ".ckptfs" / "index"))
-    try:
-        named = {pack_name(ix.read_u64(k))
-                 for k, _ in idx.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))}
-        intents = set(ix.pack_intents(idx))
-        dead = set(ix.dead_packs(idx))
-    finally:
-        idx.close()
-    root = m.source / ".ckptfs" / "store"
-    blobs = {str(p.relative_to(root)) for p in (root / "packs").rglob("*.pack")
-             if not p.name.startswith(".")}
-    temps = [p for p in root.rglob(".*") if ".tmp-" in p.name]
-    return named, intents, blobs, temps, dead
 
 
 def test_cold_versions_move_out_and_read_back(make_mount, fsck_clean):
@@ -393,7 +373,7 @@ def test_dead_pack_survives_a_crash_only_until_the_next_snapshot(make_mount, tmp
     shutil.rmtree(m.path / "step_1")                    # its pack has no live chunk left
     proc = subprocess.Popen([sys.executable, "-m", "ckptfs.cli", "tier", str(m.path), "--now"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=Path(__file__).resolve().parent.parent)
+                            cwd=Path(__file__).resolve().parents[2])
     try:
         wait_until(marker.exists, 120, "no pack died")
         m.kill()
