@@ -16,17 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from compat_util import HELPERS, sha256_file
+
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-from compat_util import HELPERS, sha256_file  # noqa: E402
-
-
-@pytest.fixture
-def mounted(make_mount):
-    """A fresh mount with a log of 256M (each test's log is preallocated on disk)."""
-    return make_mount(options=["pmem_size=256M"])
+PMEM_SIZE = "256M"         # the log of each test's mount (compat/conftest.py)
 
 WORLD = 2
 HAS_ASYNC = hasattr(dcp, "async_save")

@@ -19,7 +19,6 @@ stage 1 saves no frozen-parameter fragments, so only the trained ones).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import sys
@@ -27,24 +26,18 @@ from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("deepspeed") is None:
-    pytest.skip("deepspeed is not installed (tools/setup-debian.sh --with-tests installs it)",
-                allow_module_level=True)
+from compat_util import HELPERS, run, run_ranks, sha256_file, skip_unless_installed
+
+skip_unless_installed("deepspeed", "deepspeed")
 
 torch = pytest.importorskip("torch")
 st_torch = pytest.importorskip("safetensors.torch")
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-from compat_util import HELPERS, run, run_ranks, sha256_file  # noqa: E402
 
 WORLD = 2
 ENV = dict(os.environ, DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
            PYTHONWARNINGS="ignore")
 
-
-@pytest.fixture
-def mounted(make_mount):
-    return make_mount(options=["pmem_size=128M"])
+PMEM_SIZE = "128M"         # the log of each test's mount (compat/conftest.py)
 
 
 def free_port() -> int:

@@ -18,28 +18,18 @@ worker's docstring says where); everything it reads and writes is its own.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
-import pytest
+from compat_util import HELPERS, run_ranks, sha256_file, skip_unless_installed
 
-if importlib.util.find_spec("megatron") is None or \
-        importlib.util.find_spec("megatron.core") is None:
-    pytest.skip("megatron-core is not installed (tools/setup-debian.sh --with-tests installs it)",
-                allow_module_level=True)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-from compat_util import HELPERS, run_ranks, sha256_file  # noqa: E402
+skip_unless_installed("megatron-core", "megatron.core")
 
 WORLD = 2
 ENV = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
-
-@pytest.fixture
-def mounted(make_mount):
-    return make_mount(options=["pmem_size=256M"])
+PMEM_SIZE = "256M"         # the log of each test's mount (compat/conftest.py)
 
 
 def megatron_ranks(tmp_path: Path, *ops: str) -> None:

@@ -12,23 +12,17 @@ from __future__ import annotations
 import gc
 import json
 import os
-import sys
 import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 
+from compat_util import assert_same, manifest
+
 np = pytest.importorskip("numpy")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-from compat_util import assert_same, manifest  # noqa: E402
-
-
-@pytest.fixture
-def mounted(make_mount):
-    """A fresh mount with a log of 128M (each test's log is preallocated on disk)."""
-    return make_mount(options=["pmem_size=128M"])
+PMEM_SIZE = "128M"         # the log of each test's mount (compat/conftest.py)
 
 
 def arrays(seed: int) -> dict:

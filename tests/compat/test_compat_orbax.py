@@ -18,26 +18,18 @@ resumes training from the newest.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("jax") is None or importlib.util.find_spec("orbax") is None:
-    pytest.skip("jax and orbax-checkpoint are not installed (tools/setup-debian.sh --with-tests "
-                "installs them)", allow_module_level=True)
+from compat_util import run_helper, sha256_file, skip_unless_installed
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-from compat_util import run_helper, sha256_file  # noqa: E402
+skip_unless_installed("jax and orbax-checkpoint", "jax", "orbax")
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
 
-
-@pytest.fixture
-def mounted(make_mount):
-    return make_mount(options=["pmem_size=128M"])
+PMEM_SIZE = "128M"         # the log of each test's mount (compat/conftest.py)
 
 
 def shas(root: Path) -> dict[str, str]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import gc
 import os
 import stat
-import sys
-from pathlib import Path
 
 import pytest
+
+from compat_util import sha256_file
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
@@ -23,14 +23,7 @@ st_torch = pytest.importorskip("safetensors.torch")
 st_numpy = pytest.importorskip("safetensors.numpy")
 from safetensors import safe_open  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-from compat_util import sha256_file  # noqa: E402
-
-
-@pytest.fixture
-def mounted(make_mount):
-    """A fresh mount with a log of 256M (each test's log is preallocated on disk)."""
-    return make_mount(options=["pmem_size=256M"])
+PMEM_SIZE = "256M"         # the log of each test's mount (compat/conftest.py)
 
 
 def tensors(seed: int, scale: int = 1) -> dict:

@@ -19,19 +19,13 @@ import shutil
 import stat
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-from compat_util import assert_same, dir_mtimes, manifest, run, sha256_file  # noqa: E402
+from compat_util import assert_same, dir_mtimes, manifest, run, sha256_file
 
-
-@pytest.fixture
-def mounted(make_mount):
-    """A fresh mount with a log of 256M (each test's log is preallocated on disk)."""
-    return make_mount(options=["pmem_size=256M"])
+PMEM_SIZE = "256M"         # the log of each test's mount (compat/conftest.py)
 
 MiB = 1 << 20
 needs = pytest.mark.skipif(not (shutil.which("rsync") and shutil.which("getfattr")),

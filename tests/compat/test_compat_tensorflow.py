@@ -17,26 +17,16 @@ model, reads every tensor, and loads the Keras file.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
-import pytest
+from compat_util import run_helper, sha256_file, skip_unless_installed
 
-if importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("keras") is None:
-    pytest.skip("tensorflow-cpu is not installed (tools/setup-debian.sh --with-tests installs it)",
-                allow_module_level=True)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-from compat_util import run_helper, sha256_file  # noqa: E402
+skip_unless_installed("tensorflow-cpu", "tensorflow", "keras")
 
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
 
-
-@pytest.fixture
-def mounted(make_mount):
-    return make_mount(options=["pmem_size=128M"])
+PMEM_SIZE = "128M"         # the log of each test's mount (compat/conftest.py)
 
 
 def shas(root: Path) -> dict[str, str]:

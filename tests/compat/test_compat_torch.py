@@ -13,21 +13,14 @@ from __future__ import annotations
 import gc
 import io
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
+from compat_util import sha256_file
+
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-from compat_util import sha256_file  # noqa: E402
-
-
-@pytest.fixture
-def mounted(make_mount):
-    """A fresh mount with a log of 256M (each test's log is preallocated on disk)."""
-    return make_mount(options=["pmem_size=256M"])
+PMEM_SIZE = "256M"         # the log of each test's mount (compat/conftest.py)
 
 
 def tiny_lm(vocab: int, d_model: int, layers: int, seed: int = 0) -> "torch.nn.Module":

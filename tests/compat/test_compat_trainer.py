@@ -18,22 +18,16 @@ import json
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from compat_util import assert_same, manifest
+
 torch = pytest.importorskip("torch")
 st_torch = pytest.importorskip("safetensors.torch")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-from compat_util import assert_same, manifest  # noqa: E402
-
-
-@pytest.fixture
-def mounted(make_mount):
-    """A fresh mount with a log of 128M (each test's log is preallocated on disk)."""
-    return make_mount(options=["pmem_size=128M"])
+PMEM_SIZE = "128M"         # the log of each test's mount (compat/conftest.py)
 
 KEEP = 2
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")

@@ -14,15 +14,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-np = pytest.importorskip("numpy")
+from compat_util import HELPERS, sha256_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
-from compat_rank_io import shard_bytes  # noqa: E402
-from compat_util import HELPERS, sha256_file  # noqa: E402
+np = pytest.importorskip("numpy")
+from compat_rank_io import shard_bytes  # noqa: E402  (numpy)
 
 WORLD = 8
 STEPS = 2

@@ -22,6 +22,25 @@ HELPERS = Path(__file__).resolve().parent
 STATE_DIR = ".ckptfs"
 
 
+def skip_unless_installed(what: str, *modules: str) -> None:
+    """Skip the calling test module unless every module can be imported; the
+    reason names what to install (`what`) and how."""
+    __tracebackhide__ = True        # pytest -ra names the calling module, not this line
+    import importlib.util
+
+    import pytest
+
+    for name in modules:
+        # find_spec of "a.b" imports "a", and raises when "a" is missing.
+        parts = name.split(".")
+        if any(importlib.util.find_spec(".".join(parts[:i])) is None
+               for i in range(1, len(parts) + 1)):
+            verb = "are" if " and " in what else "is"
+            pytest.skip(f"{what} {verb} not installed (tools/setup-debian.sh --with-tests "
+                        f"installs {'them' if verb == 'are' else 'it'})",
+                        allow_module_level=True)
+
+
 def sha256_file(path: os.PathLike | str, block: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
