@@ -427,6 +427,21 @@ def fuse_options(opts: MountOptions) -> set[str]:
     return options
 
 
+def build_filesystem(state: State) -> Filesystem:
+    """The Filesystem the daemon serves, with its tiering when a backing store is
+    attached; the handler-level tests build theirs here too (tests/inproc.py)."""
+    opts = state.opts
+    fs = Filesystem(state.index, state.log, state.sources,
+                    CommitPolicy(sync=opts.sync, lazy_max_delay_s=opts.lazy_delay_s),
+                    dedup=opts.dedup)
+    if state.backend is not None:
+        from .tier import Tierer, TierPolicy     # compression libraries only when tiering
+        fs.tierer = Tierer(fs, state.backend, TierPolicy(hot_versions=opts.hot_versions),
+                           state.fs_uuid)
+        fs.files.cold = fs.tierer.cold
+    return fs
+
+
 def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
     """Run the daemon in this process until unmounted. Returns an exit code.
 
@@ -460,14 +475,7 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
         log.error("%s", e)
         _report(ready_fd, f"ckptfs: {e}")
         return 1
-    fs = Filesystem(state.index, state.log, state.sources,
-                    CommitPolicy(sync=opts.sync, lazy_max_delay_s=opts.lazy_delay_s),
-                    dedup=opts.dedup)
-    if state.backend is not None:
-        from .tier import Tierer, TierPolicy     # compression libraries only when tiering
-        fs.tierer = Tierer(fs, state.backend, TierPolicy(hot_versions=opts.hot_versions),
-                           state.fs_uuid)
-        fs.files.cold = fs.tierer.cold
+    fs = build_filesystem(state)
     metrics = metrics_server = None
     if opts.metrics_port is not None or opts.metrics_file:
         from .metrics import MountMetrics
@@ -527,15 +535,21 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
             finally:
                 with trio.CancelScope(shield=True):
-                    try:
-                        if fs.tierer is not None:
-                            await fs.tierer.stop()
-                        await fs.shutdown()
-                        if fs.tierer is not None:
-                            await fs.tierer.publish_at_unmount()
-                    finally:
-                        fs.index.stop()     # else the committer would wait forever
+                    await shut_down(fs)
                 inner.cancel_scope.cancel()
+
+
+async def shut_down(fs: Filesystem) -> None:
+    """A clean unmount's work, with the committer still running: stop the mover,
+    commit every closed file, publish a snapshot, then end the committer."""
+    try:
+        if fs.tierer is not None:
+            await fs.tierer.stop()
+        await fs.shutdown()
+        if fs.tierer is not None:
+            await fs.tierer.publish_at_unmount()
+    finally:
+        fs.index.stop()     # else the committer would wait forever
 
 
 async def _report_ready(ready_fd: Optional[int], opts: MountOptions,

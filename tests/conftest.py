@@ -2,7 +2,9 @@
 
 `mounted` starts `mount.ckptfs SRC SRC` (mounted over its own source, as users
 do) and always cleans up, even when a test fails: lazy unmount, then SIGTERM,
-then SIGKILL of the daemon. Generated data stays in pytest's tmp dirs.
+then SIGKILL of the daemon. `inproc` opens ckptfs in this process instead
+(tests/inproc.py): the real Filesystem, index and log, no kernel in between,
+for tests of handler behaviour. Generated data stays in pytest's tmp dirs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Optional
 import pytest
 
 from ckptfs.proc import stop_process, wait_exit
+from inproc import InProcess
 
 REPO = Path(__file__).resolve().parent.parent
 MOUNT_HELPER = [sys.executable, str(REPO / "mount.ckptfs")]
@@ -164,6 +167,28 @@ def fsck_clean():
         res = m.fsck()
         assert res.returncode == 0, f"fsck found problems:\n{res.stdout}\n{res.stderr}"
     return check
+
+
+@pytest.fixture
+def inproc(tmp_path):
+    """Factory: inproc(options=["pmem_size=64M"], source=None, **kw) -> InProcess,
+    ckptfs opened in this process over a fresh directory (or source), no FUSE
+    mount (tests/inproc.py). Whatever is still open at the end is closed as it
+    is (no clean shutdown)."""
+    opened: list[InProcess] = []
+
+    def factory(options: Optional[list[str]] = None, source: Optional[Path] = None,
+                **kw) -> InProcess:
+        src = source or tmp_path / f"fs{len(opened)}"
+        src.mkdir(exist_ok=True)
+        fs = InProcess(src, options if options is not None else ["pmem_size=64M"], **kw)
+        opened.append(fs)
+        return fs
+
+    yield factory
+    for fs in opened:
+        fs.close()
+        shutil.rmtree(fs.source, ignore_errors=True)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,8 +1,8 @@
 """Simulated power loss inside the log layer, at handler level (no FUSE mount).
 
-The real core runs in-process (`daemon.open_state` with a `FaultLog`, the
-committer in a nursery) and three writer tasks drive `Filesystem` the way the
-kernel would: create, write in pieces, flush, release, fsync half way, O_TRUNC
+The real core runs in-process (tests/inproc.py with a `FaultLog` in place of
+the log, the committer in a nursery) and three writer tasks drive `Filesystem`
+the way the kernel would: create, write in pieces, flush, release, fsync half way, O_TRUNC
 rewrites, writes in place, temp file + rename, truncate of a closed file,
 unlink (also of an open file), fsync of a directory. Each task journals its
 steps (see `journal_model`). At a seeded random step (a log store, a persist
@@ -37,18 +37,16 @@ import random
 import stat
 from pathlib import Path
 from typing import Optional
-from unittest import mock
 
 import pytest
 import trio
 
-from ckptfs import daemon
 from ckptfs import index as ix
-from ckptfs.core import CommitPolicy, Filesystem
+from ckptfs.core import Filesystem
 from ckptfs.errors import DamagedData, NoSpace, NotFound
 from ckptfs.index import ROOT_INO, Index
-from ckptfs.options import MountOptions
 from faultlog import FaultLog, PowerCut
+from inproc import InProcess
 from journal_model import Model, check
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -76,29 +74,15 @@ def have_fsck() -> bool:
 
 # ------------------------------------------------------------------ one boot
 
-class Boot:
-    """The filesystem opened from disk in this process, with a FaultLog."""
+class Boot(InProcess):
+    """The filesystem opened from disk in this process, with a FaultLog; no
+    tiering (the cuts are in the log layer: a full log is ENOSPC, not a wait)."""
 
     def __init__(self, source: Path) -> None:
-        self.opts = MountOptions(source=str(source), mountpoint=str(source), pmem_size=LOG_BYTES)
-        with mock.patch.object(daemon, "PmemLog", FaultLog):
-            self.state = daemon.open_state(self.opts)
-        self.log: FaultLog = self.state.log
-        self.log.hook_index(self.state.index)
-        self.fs = Filesystem(self.state.index, self.state.log, self.state.sources,
-                             CommitPolicy(sync="close"))
-        self.fs.recover()
-
-    def close(self) -> None:
-        """Close as-is: the index keeps what LMDB committed, nothing else is flushed."""
-        self.state.close()
-
-    async def shutdown(self) -> None:
-        """A clean unmount, as daemon._run does it."""
-        async with trio.open_nursery() as n:
-            n.start_soon(self.fs.run_committer)
-            await self.fs.shutdown()
-            self.fs.index.stop()
+        super().__init__(source, [f"pmem_size={LOG_BYTES >> 20}M", "tiering=off"],
+                         log_class=FaultLog)
+        self.log: FaultLog
+        self.log.hook_index(self.index)
 
 
 def lookup(fs: Filesystem, parent: int, name: str) -> Optional[int]:
@@ -127,13 +111,7 @@ def observe(boot: Boot) -> tuple[dict[str, str], dict[str, bytes]]:
 
     The committer runs meanwhile, as in a mount: closes wait for durability.
     """
-    async def main():
-        async with trio.open_nursery() as n:
-            n.start_soon(boot.fs.run_committer)
-            result = await _observe(boot.fs)
-            n.cancel_scope.cancel()
-        return result
-    return trio.run(main)
+    return boot.run(lambda b: _observe(b.fs))
 
 
 async def _observe(fs: Filesystem) -> tuple[dict[str, str], dict[str, bytes]]:
@@ -431,8 +409,7 @@ def power_cut_chain(source: Path, seed: int, rounds: int) -> None:
             assert not unexpected, f"{what}: fsck after the cut:\n" + "\n".join(problems)
     # The last boot: verified; now a clean shutdown, then fsck must be clean and
     # every file exactly as its writer last left it.
-    trio.run(boot.shutdown)
-    boot.close()
+    boot.shutdown()
     if have_fsck():
         code, problems = fsck_findings(source)
         assert code == 0, f"seed {seed}: fsck after a clean shutdown:\n" + "\n".join(problems)
