@@ -41,6 +41,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+# Before pyfuse3, so that the FUSE channel fast path can stand in for
+# libfuse's fuse_session_mount (ckptfs/fastpath.py).
+from . import fastpath  # isort: skip
 import pyfuse3
 import trio
 
@@ -494,11 +497,15 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
         purged = fs.recover()
         if purged:
             log.info("purged %d orphaned inodes", purged)
+        fastpath.want(True)
         try:
             pyfuse3.init(CkptfsOperations(fs), opts.mountpoint, fuse_options(opts))
         except RuntimeError as e:
             raise OperationFailed(f"cannot mount on {opts.mountpoint}: {e}") from None
         mounted = True
+        if fastpath.missing:
+            log.warning("%s; every request goes through pyfuse3", fastpath.missing)
+        log.debug("FUSE channel fast path: %s", "on" if fastpath.hooked() else "off")
         trio.run(_run, fs, opts, ready_fd, sock_path, attempt, metrics)
     except (CkptfsError, OSError) as e:
         log.error("%s", e)
@@ -521,7 +528,8 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
         async with trio.open_nursery() as inner:
             await inner.start(control.serve, sock_path, _control_handlers(fs))
             inner.start_soon(_watch_signals)
-            inner.start_soon(trio.to_thread.run_sync, _raise_read_ahead, opts.mountpoint)
+            if not fastpath.hooked():
+                inner.start_soon(trio.to_thread.run_sync, _raise_read_ahead, opts.mountpoint)
             if fs.tierer is not None:
                 await inner.start(fs.tierer.run)
             if metrics is not None:
@@ -555,6 +563,14 @@ async def shut_down(fs: Filesystem) -> None:
 async def _report_ready(ready_fd: Optional[int], opts: MountOptions,
                         attempt: Attempt) -> None:
     await trio.sleep(0)      # pyfuse3.main is now reading requests
+    if fastpath.hooked():
+        # The kernel sets the read-ahead back while it handles the INIT reply:
+        # raise it after that, and only then say the mount is live, so that
+        # the first reader already gets it.
+        with trio.move_on_after(5):
+            while not fastpath.init_replied():
+                await trio.sleep(0.001)
+        await trio.to_thread.run_sync(_set_read_ahead, opts.mountpoint)
     log.info("mounted %s on %s (pid %d, sync=%s)", opts.source, opts.mountpoint,
              os.getpid(), opts.sync)
     attempt.live = True
@@ -566,7 +582,7 @@ async def _report_ready(ready_fd: Optional[int], opts: MountOptions,
 
 def _control_handlers(fs: Filesystem) -> dict:
     async def stat(_: dict) -> dict:
-        return fs.stats()
+        return {**fs.stats(), **fastpath.stats()}
 
     async def sync(_: dict) -> dict:
         await fs.sync_all()
@@ -610,12 +626,25 @@ async def _watch_signals() -> None:
             return
 
 
-def _raise_read_ahead(mountpoint: str) -> None:
+def _set_read_ahead(mountpoint: str) -> None:
     """Best effort: bigger read requests (1 MiB) make sequential restores faster.
 
-    The kernel may set the value back when FUSE INIT completes, after this
-    first ran: look again for a few seconds and set it again if so.
-    """
+    Once the INIT reply is out (the kernel lowers the read-ahead while it
+    handles it), once is enough."""
+    dev = mount_device(mountpoint)
+    if dev is None:
+        return
+    try:
+        with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
+            f.write(str(READ_AHEAD_KB))
+    except OSError as e:
+        log.debug("could not raise read-ahead for %s: %s", mountpoint, e)
+
+
+def _raise_read_ahead(mountpoint: str) -> None:
+    """`_set_read_ahead` without the fast path, which alone says when INIT is
+    answered: the kernel may set the value back when FUSE INIT completes,
+    after this first ran, so look again for a few seconds and set it again."""
     dev = mount_device(mountpoint)
     if dev is None:
         return

@@ -16,8 +16,9 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import pyfuse3
 
+from . import fastpath
 from .core import Attrs, Filesystem
-from .errors import CkptfsError
+from .errors import CkptfsError, NoXattr
 from .index import ROOT_INO
 from .namespace import ACL_ACCESS
 
@@ -141,7 +142,9 @@ class CkptfsOperations(pyfuse3.Operations):
 
     @_errno_edge
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        return self._entry(self.fs.make_node(parent_inode, name, mode, ctx.uid, ctx.gid, rdev=rdev))
+        attrs = self.fs.make_node(parent_inode, name, mode, ctx.uid, ctx.gid, rdev=rdev)
+        fastpath.caps_absent(attrs.inode.ino)       # new: no xattrs yet
+        return self._entry(attrs)
 
     @_errno_edge
     async def mkdir(self, parent_inode, name, mode, ctx):
@@ -210,6 +213,7 @@ class CkptfsOperations(pyfuse3.Operations):
     @_errno_edge
     async def create(self, parent_inode, name, mode, flags, ctx):
         fh, attrs = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        fastpath.caps_absent(attrs.inode.ino)       # new: no xattrs yet
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(attrs)
 
     @_errno_edge
@@ -236,10 +240,19 @@ class CkptfsOperations(pyfuse3.Operations):
 
     @_errno_edge
     async def getxattr(self, inode, name, ctx):
-        return self.fs.ns.getxattr(inode, name)
+        try:
+            return self.fs.ns.getxattr(inode, name)
+        except NoXattr:
+            if name == fastpath.CAPS_XATTR:
+                # The kernel asks this before every write(); from now on the
+                # fast path answers it without a round trip through Python.
+                fastpath.caps_absent(inode)
+            raise
 
     @_errno_edge
     async def setxattr(self, inode, name, value, ctx):
+        if name == fastpath.CAPS_XATTR:
+            fastpath.caps_unknown(inode)        # before it exists: ask us again
         self.fs.ns.setxattr(inode, name, value, self.fs.now_ns(), ctx.uid)
         if name == ACL_ACCESS:
             # It changed the mode: the kernel would go on showing (and checking)

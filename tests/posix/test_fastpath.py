@@ -1,0 +1,81 @@
+"""The FUSE channel fast path (ckptfs/fastpath.py, native/ckptfs_fuse.c) on real mounts.
+
+The kernel asks GETXATTR("security.capability") before every write(); the
+fast path answers it in C for inodes the daemon knows have none. These tests
+check that it does, and that it never hides a capability that exists: a
+write must still strip it, as on ext4.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+CAPS = "security.capability"
+# vfs_cap_data revision 2, effective, permitted CAP_NET_RAW.
+CAP_NET_RAW = struct.pack("<IIIII", 0x02000001, 1 << 13, 0, 0, 0)
+
+
+def write_pieces(path: Path, pieces: int, size: int = 8192, flags: int = 0) -> None:
+    fd = os.open(path, os.O_WRONLY | flags, 0o644)
+    try:
+        block = os.urandom(size)
+        for _ in range(pieces):
+            os.write(fd, block)
+    finally:
+        os.close(fd)
+
+
+def test_small_writes_are_answered_without_python(mounted):
+    before = mounted.stat()
+    assert before["fuse_fastpath"] is True
+    write_pieces(mounted.path / "f", 1024, flags=os.O_CREAT | os.O_EXCL)
+    after = mounted.stat()
+    asked = after["fuse_requests"]["GETXATTR"] - before["fuse_requests"].get("GETXATTR", 0)
+    in_c = after["fuse_getxattr_answered_in_c"] - before["fuse_getxattr_answered_in_c"]
+    assert asked >= 1024                    # one per write(): the kernel asks
+    assert in_c >= asked - 2, (asked, in_c)  # and Python answered (almost) none
+    assert after["fuse_write_bytes"] - before["fuse_write_bytes"] == 1024 * 8192
+
+
+@pytest.mark.parametrize("created_here", [True, False])
+def test_a_write_strips_a_capability_set_after_the_fast_path_answered(make_mount, fsck_clean,
+                                                                      created_here):
+    m = make_mount()
+    path = m.path / "tool"
+    if created_here:
+        write_pieces(path, 4, flags=os.O_CREAT | os.O_EXCL)      # marked at create
+    else:
+        write_pieces(path, 1, flags=os.O_CREAT | os.O_EXCL)
+        m.remount()
+        write_pieces(path, 4)       # marked when Python answered ENODATA once
+    answered = m.stat()["fuse_getxattr_answered_in_c"]
+    assert answered >= 3
+    os.setxattr(path, CAPS, CAP_NET_RAW)
+    assert os.getxattr(path, CAPS) == CAP_NET_RAW
+    write_pieces(path, 1)       # the kernel must see the capability and remove it
+    with pytest.raises(OSError) as e:
+        os.getxattr(path, CAPS)
+    assert e.value.errno == errno.ENODATA
+    # Gone for good, not only from a cache.
+    m.remount()
+    with pytest.raises(OSError) as e:
+        os.getxattr(path, CAPS)
+    assert e.value.errno == errno.ENODATA
+    os.setxattr(path, CAPS, CAP_NET_RAW)
+    m.remount()
+    assert os.getxattr(path, CAPS) == CAP_NET_RAW    # kept while nobody writes
+    fsck_clean(m)
+
+
+def test_read_ahead_is_raised_when_the_mount_returns(make_mount):
+    for _ in range(3):
+        m = make_mount()
+        dev = next(line.split()[2] for line in open("/proc/self/mountinfo")
+                   if line.split()[4] == os.path.realpath(m.path))
+        assert Path(f"/sys/class/bdi/{dev}/read_ahead_kb").read_text().strip() == "16384"
+        m.umount()
