@@ -32,8 +32,12 @@
 
 /* After answering, how long to wait for the writer's next question: it
  * comes as soon as the writer has copied its next write() into the page
- * cache, a few microseconds.  Waited for with the GIL released; meanwhile
- * only the event loop's timers wait (other requests are read as they come). */
+ * cache, a few microseconds for small writes.  Waited for with the GIL
+ * released; meanwhile only the event loop's timers and worker threads'
+ * results wait (other requests are read as they come).  Only while the
+ * questions come closer together than that on average: a writer of 1 MiB
+ * pieces asks once a millisecond or so, and waiting for it would only stall
+ * the loop. */
 #define FP_LINGER_NS 200000L
 
 /* Inodes known to have no security.capability: a direct-mapped set (a
@@ -49,6 +53,8 @@ static int hooked;
 static int init_seen;
 static uint64_t init_unique;
 static int init_replied;
+static struct timespec last_answer;     /* when the last GETXATTR was answered here */
+static long gap_ns;                     /* moving average of the time between them */
 
 static void bump(size_t i, uint64_t by)
 {
@@ -154,7 +160,7 @@ static ssize_t fp_read(int fd, void *buf, size_t buf_len, void *userdata)
              * question is due: wait a moment for it rather than a trip
              * through the event loop.  Otherwise (or if it does not come)
              * EINTR: pyfuse3 waits for the fd again. */
-            if (answered > 0 && answered < FP_MAX_BURST
+            if (answered > 0 && answered < FP_MAX_BURST && gap_ns < FP_LINGER_NS / 2
                     && elapsed_ns(&start) < FP_MAX_BURST_NS && linger(fd))
                 continue;
             bump(FP_EMPTY_READS, 1);
@@ -175,6 +181,9 @@ static ssize_t fp_read(int fd, void *buf, size_t buf_len, void *userdata)
         /* ENOENT: the request was interrupted meanwhile, nobody waits for it. */
         answered++;
         bump(FP_FAST_GETXATTR, 1);
+        long gap = last_answer.tv_sec ? elapsed_ns(&last_answer) : 0;
+        gap_ns = (3 * gap_ns + (gap < 1000000000L ? gap : 1000000000L)) / 4;
+        clock_gettime(CLOCK_MONOTONIC, &last_answer);
     }
 }
 
