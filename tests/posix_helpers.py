@@ -16,7 +16,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import REPO, is_mounted
+from mounting import REPO, is_mounted
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -5,7 +5,7 @@
     python3 tools/rgw.py status DIR
     python3 tools/rgw.py stop DIR [--keep]
 
-or, from Python (tests/conftest.py):
+or, from Python (tests/store/conftest.py):
 
     with RGW.start(state_dir) as rgw:
         rgw.endpoint_url, rgw.access_key, rgw.secret_key, rgw.env()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_ckptfs
+from mounting import REPO, run_ckptfs
 from posix_helpers import MiB, as_user, check_clean, pattern, read_file, unused_uid, write_file
 
 from ckptfs import export as ex

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MOUNT_HELPER, REPO, is_mounted
+from mounting import MOUNT_HELPER, REPO, is_mounted
 from posix_helpers import read_file, write_file
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CKPTFS, MOUNT_HELPER, REPO, is_mounted, run_ckptfs
+from mounting import CKPTFS, MOUNT_HELPER, REPO, is_mounted, run_ckptfs
 from posix_helpers import MiB, as_user, check_clean, pattern, read_file, wait_for, write_file
 
 from ckptfs.options import OPTIONS

@@ -6,7 +6,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import is_mounted
+from mounting import is_mounted
 
 from ckptfs.proc import wait_exit
 

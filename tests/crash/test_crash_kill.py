@@ -46,7 +46,7 @@ from pathlib import Path
 import pytest
 
 from ckptfs.proc import process_exited
-from conftest import Mount
+from mounting import Mount
 from journal_model import ABSENT, Model, check, short
 from store_state import store_packs
 

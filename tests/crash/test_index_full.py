@@ -36,7 +36,7 @@ import trio
 from ckptfs import index as ix
 from ckptfs.errors import IndexFull
 from ckptfs.index import Index
-from conftest import Mount, run_ckptfs
+from mounting import Mount, run_ckptfs
 from journal_model import Model, check
 from test_crash_kill import WRITER, observe, read_journal, stop_writers
 

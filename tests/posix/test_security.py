@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, is_mounted
+from mounting import REPO, is_mounted
 from posix_helpers import as_user, check_clean, unused_uid
 
 from ckptfs import control

@@ -200,7 +200,7 @@ def test_chunk_bytes_that_do_not_match_their_id_are_damage(written):
 def test_wrong_pack_record_is_repaired(make_mount):
     m = make_mount(options=["pmem_size=64M", "hot_versions=0"])
     (m.path / "cold").write_bytes(os.urandom(2 << 20))
-    from conftest import run_ckptfs
+    from mounting import run_ckptfs
     run_ckptfs("tier", str(m.path), "--now", "--all")
     m.umount()
 
@@ -214,14 +214,14 @@ def test_wrong_pack_record_is_repaired(make_mount):
 
 
 def test_fsck_refuses_a_mounted_filesystem(mounted):
-    from conftest import run_ckptfs
+    from mounting import run_ckptfs
     res = run_ckptfs("fsck", str(mounted.source), check=False)
     assert res.returncode == 1 and "unmount it first" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
 
 def test_fsck_of_a_plain_directory_fails(tmp_path: Path):
-    from conftest import run_ckptfs
+    from mounting import run_ckptfs
     res = run_ckptfs("fsck", str(tmp_path), check=False)
     assert res.returncode == 1 and "holds no ckptfs" in res.stderr
 
@@ -271,7 +271,7 @@ def test_fsck_with_the_log_missing_says_what_it_did_not_check(written):
 
 
 def test_fsck_with_the_backing_store_gone_is_not_clean(make_mount, tmp_path):
-    from conftest import run_ckptfs
+    from mounting import run_ckptfs
     store = tmp_path / "store"
     m = make_mount(options=["pmem_size=64M", f"backing={store}"])
     (m.path / "cold").write_bytes(os.urandom(2 << 20))

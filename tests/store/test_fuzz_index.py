@@ -29,7 +29,7 @@ from ckptfs.backing import LocalBackend
 from ckptfs.chunker import MAX_CHUNK_BYTES
 from ckptfs.index import CHUNK_LOG, CHUNK_PACK, Chunk, DirectTxn, Index
 from ckptfs.packs import pack_name
-from conftest import run_ckptfs
+from mounting import run_ckptfs
 from posix_helpers import read_file, write_file
 from test_fuzz_packs import forge, sample_chunks, zstd_bomb
 

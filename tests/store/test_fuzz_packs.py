@@ -40,7 +40,7 @@ from ckptfs.index import CHUNK_PACK, Chunk
 from ckptfs.packs import (ENTRY_BYTES, FOOTER_BYTES, HEADER_BYTES, MAGIC, END_MAGIC, VERSION,
                           PackWriter, pack_name, read_pack_index)
 from ckptfs.tier import ColdStore
-from conftest import run_ckptfs
+from mounting import run_ckptfs
 from posix_helpers import read_file, write_file
 
 KIB = 1 << 10

@@ -13,7 +13,7 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from conftest import load_rgw_tool
+import rgw as rgw_tool
 
 
 SESSION = botocore.session.get_session()      # one session: loading the S3 model is slow
@@ -58,7 +58,7 @@ class _Stranger(http.server.BaseHTTPRequestHandler):
 def test_a_stale_server_on_the_port_is_never_taken_for_ours(tmp_path, monkeypatch):
     """Another server answering on the gateway's port (a stale radosgw of an
     earlier run) fails the start with one line; nothing is left running."""
-    tool = load_rgw_tool()
+    tool = rgw_tool
     if tool.missing_binaries():
         pytest.skip("Ceph is not installed")
     stranger = http.server.HTTPServer(("127.0.0.1", 0), _Stranger)
@@ -75,7 +75,7 @@ def test_a_stale_server_on_the_port_is_never_taken_for_ours(tmp_path, monkeypatc
 
 
 def test_start_stop_leaves_nothing(tmp_path):
-    tool = load_rgw_tool()
+    tool = rgw_tool
     if tool.missing_binaries():
         pytest.skip("Ceph is not installed")
     with pytest.raises(tool.RGWError, match="not empty"):

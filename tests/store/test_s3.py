@@ -29,7 +29,7 @@ from ckptfs.backing.s3 import S3Backend
 from ckptfs.errors import (BackingCredentials, BackingUnavailable, BlobMissing,
                            InvalidArgument)
 
-from conftest import MOUNT_HELPER, is_mounted, run_ckptfs
+from mounting import MOUNT_HELPER, is_mounted, run_ckptfs
 from posix_helpers import check_clean, pattern, read_file, write_file
 from test_backing import put, s3_client, s3_session
 from test_tier import tier_now, verify, write_version

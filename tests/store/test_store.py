@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_ckptfs
+from mounting import run_ckptfs
 from posix_helpers import check_clean, read_file, write_file
 from store_craft import Store
 

@@ -25,7 +25,7 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, event, given, settings, strategies as st  # noqa: E402
 
-from conftest import Mount, run_ckptfs  # noqa: E402
+from mounting import Mount, run_ckptfs  # noqa: E402
 from store_craft import Store  # noqa: E402
 
 from ckptfs.errors import CkptfsError  # noqa: E402

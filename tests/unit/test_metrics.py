@@ -21,7 +21,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MOUNT_HELPER
+from mounting import MOUNT_HELPER
 from posix_helpers import MiB, check_clean, pattern, read_file, write_file
 
 from ckptfs import metrics
