@@ -12,14 +12,17 @@ recovery. Tests drive it the way fuse_ops does, from trio tasks:
         assert await fs.read_file("d/a") == b"..."
     fs.run(main)                                # the committer (and the mover) beside it
 
-`run` is one trio run, as one mount's life: the committer runs beside `main`,
-and the mover too when there is a backing store (mover=False leaves it out).
-`close()` leaves the state as a crash does (LMDB keeps what it committed,
-nothing else is flushed); `shutdown()` is a clean unmount (`daemon.shut_down`).
-Open it again (a new InProcess on the same SOURCE) to see what survived.
+Each `run` is one trio run: the committer runs beside `main`, and the mover
+too when there is a backing store (mover=False leaves it out); `tier_now` is
+what `ckptfs tier --now` starts. `close()` leaves the state as a crash does
+(LMDB keeps what it committed, nothing else is flushed); `shutdown()` is a
+clean unmount (`daemon.shut_down`: final commits, snapshot, marked clean).
+Once closed, `fsck()` runs the real `ckptfs fsck` on SOURCE; open SOURCE again
+(a new InProcess) to see what survived.
 
 What it is not: the kernel. No page cache or writeback cache, no request
-splitting, no permission checks (default_permissions), no FUSE errno edge, no
+splitting, no permission checks (default_permissions), no FUSE errno edge (the
+handlers raise ckptfs's exceptions: DamagedData where a reader gets EIO), no
 control socket. Tests of those mount the real daemon (the `make_mount` fixture).
 """
 
@@ -27,17 +30,20 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 from pathlib import Path
 from typing import Awaitable, Callable, Optional, Sequence, TypeVar
 from unittest import mock
 
+import outcome
 import trio
 
 from ckptfs import daemon
-from ckptfs.core import Filesystem
-from ckptfs.errors import NotFound
+from ckptfs.core import Attrs, Filesystem
+from ckptfs.errors import CkptfsError, NotFound
 from ckptfs.index import ROOT_INO
 from ckptfs.options import parse_options
+from mounting import run_ckptfs
 
 T = TypeVar("T")
 KiB, MiB = 1 << 10, 1 << 20
@@ -68,24 +74,28 @@ class InProcess:
 
     def run(self, main: Callable[..., Awaitable[T]], *args, mover: bool = True) -> T:
         """trio.run(main(self, *args)) with the committer (and the mover, if any)
-        running beside it; they are cancelled when main returns."""
-        async def body() -> T:
+        running beside it; they are cancelled when main returns. What main
+        raises comes out as it is (not in an exception group)."""
+        async def body() -> outcome.Outcome:
             async with trio.open_nursery() as n:
                 n.start_soon(self.fs.run_committer)
                 if mover and self.fs.tierer is not None:
                     await n.start(self.fs.tierer.run)
-                result = await main(self, *args)
+                result = await outcome.acapture(main, self, *args)
                 if mover and self.fs.tierer is not None:
                     await self.fs.tierer.stop()
                 n.cancel_scope.cancel()
             return result
-        return trio.run(body)
+        return trio.run(body).unwrap()
 
     def shutdown(self) -> None:
-        """A clean unmount (stop the mover, commit, publish, mark clean), then close."""
+        """A clean unmount (stop the mover, commit, publish, mark clean), then close.
+        The mover is started first, as a daemon's always runs before its unmount."""
         async def body() -> None:
             async with trio.open_nursery() as n:
                 n.start_soon(self.fs.run_committer)
+                if self.fs.tierer is not None:
+                    await n.start(self.fs.tierer.run)
                 await daemon.shut_down(self.fs)
         trio.run(body)
         self.close()
@@ -95,6 +105,12 @@ class InProcess:
         if not self.closed:
             self.closed = True
             self.state.close()
+
+    def fsck(self, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+        """`ckptfs fsck SOURCE [ARGS]`, the command, once closed (as fsck needs a
+        filesystem unmounted); never raises on its exit code."""
+        assert self.closed, "fsck needs the filesystem closed"
+        return run_ckptfs("fsck", str(self.source), *args, check=False, timeout=timeout_s)
 
     # ------------------------------------------------- requests, as the kernel sends them
 
@@ -157,10 +173,14 @@ class InProcess:
         assert ino is not None, path
         return sorted(name.decode() for name, _, _ in self.fs.ns.entries(ino, 0))
 
-    def size(self, path: str) -> int:
+    def attrs(self, path: str) -> Attrs:
+        """What getattr answers for path (the inode, its size and times)."""
         ino = self.lookup(path)
         assert ino is not None, path
-        return self.fs.attrs(ino).size
+        return self.fs.attrs(ino)
+
+    def size(self, path: str) -> int:
+        return self.attrs(path).size
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644,
                          piece_bytes: int = WRITE_PIECE_BYTES) -> int:
@@ -199,6 +219,18 @@ class InProcess:
             return bytes(out)
         finally:
             await self.fs.release(fh)
+
+    async def tier_now(self, everything: bool = False) -> None:
+        """`ckptfs tier --now [--all]`: the pass the control socket starts (tier,
+        garbage collection, snapshot), followed to its end. Needs the mover
+        (run with mover=True, the default)."""
+        tierer = self.fs.tierer
+        assert tierer is not None, "tiering is off (or no backing store)"
+        tierer.start_now(everything=everything)
+        while not tierer.progress.finished:
+            await trio.sleep(0.02)
+        if tierer.progress.error:
+            raise CkptfsError(f"tiering failed: {tierer.progress.error}")
 
     def stats(self) -> dict:
         """What `ckptfs stat --json` would print."""

@@ -1,4 +1,10 @@
-"""fsck finds each kind of planted damage, repairs what it can, and says so by exit code."""
+"""fsck finds each kind of planted damage, repairs what it can, and says so by exit code.
+
+fsck (the real command) is what these tests exercise; the filesystems it checks
+are written, and looked at after a repair, in this process (tests/inproc.py):
+the same handlers a mount runs, without the kernel. One test needs a live mount
+(fsck refuses it).
+"""
 
 from __future__ import annotations
 
@@ -8,24 +14,30 @@ from pathlib import Path
 import pytest
 
 from ckptfs import index as ix
+from ckptfs.errors import DamagedData
 from ckptfs.index import Index
+from inproc import InProcess
+from mounting import run_ckptfs
 
 CLEAN, REPAIRED, LEFT = 0, 3, 4
 
 
 @pytest.fixture
-def written(make_mount):
+def written(inproc) -> InProcess:
     """An unmounted ckptfs holding a few files, a hard link, a symlink and an xattr."""
-    m = make_mount(options=["pmem_size=64M"])
-    (m.path / "d").mkdir()
-    (m.path / "d" / "a").write_bytes(b"a" * 5000)
-    os.link(m.path / "d" / "a", m.path / "hard")
-    (m.path / "big").write_bytes(os.urandom(3 << 20))
-    os.symlink("big", m.path / "sym")
-    os.setxattr(m.path / "big", "user.k", b"v")
-    m.umount()
-    assert m.fsck().returncode == CLEAN
-    return m
+    fs = inproc(["pmem_size=64M"])
+
+    async def fill(fs) -> None:
+        fs.mkdir("d")
+        await fs.write_file("d/a", b"a" * 5000)
+        fs.link("d/a", "hard")
+        await fs.write_file("big", os.urandom(3 << 20))
+        fs.symlink("big", "sym")
+        fs.setxattr("big", "user.k", b"v")
+    fs.run(fill)
+    fs.shutdown()
+    assert fs.fsck().returncode == CLEAN
+    return fs
 
 
 def plant(m, fn) -> None:
@@ -75,18 +87,17 @@ def test_leaked_chunk_is_repaired(written):
     expect_repair(written, "referenced by nothing")
 
 
-def test_entry_to_missing_inode_is_removed(written):
+def test_entry_to_missing_inode_is_removed(written, inproc):
     def dangle(txn):
         txn.put("dirents", ix.dirent_key(ix.ROOT_INO, b"ghost"), ix.dirent_value(5555, 9999))
         txn.put("dirlist", ix.dirlist_key(ix.ROOT_INO, 9999), b"ghost")
         txn.put("meta", b"next_cookie", ix.u64_le(10000))
     plant(written, dangle)
     expect_repair(written, "missing inode 5555")
-    written.start()
-    assert "ghost" not in os.listdir(written.path)
+    assert "ghost" not in inproc(source=written.source).listdir()
 
 
-def test_wrong_link_count_is_fixed(written):
+def test_wrong_link_count_is_fixed(written, inproc):
     def wrong(txn):
         ino = lookup(txn, ix.ROOT_INO, b"hard")[0]
         inode = ix.get_inode(txn, ino)
@@ -94,11 +105,10 @@ def test_wrong_link_count_is_fixed(written):
         ix.put_inode(txn, inode)
     plant(written, wrong)
     expect_repair(written, "[link counts]")
-    written.start()
-    assert os.stat(written.path / "hard").st_nlink == 2
+    assert inproc(source=written.source).attrs("hard").inode.nlink == 2
 
 
-def test_unreachable_inode_goes_to_lost_found(written):
+def test_unreachable_inode_goes_to_lost_found(written, inproc):
     def cut(txn):
         ino, cookie = lookup(txn, ix.ROOT_INO, b"big")
         txn.delete("dirents", ix.dirent_key(ix.ROOT_INO, b"big"))
@@ -106,9 +116,7 @@ def test_unreachable_inode_goes_to_lost_found(written):
         cut.ino = ino
     plant(written, cut)
     expect_repair(written, "is in no directory")
-    written.start()
-    rescued = written.path / "lost+found" / f"#{cut.ino}"
-    assert rescued.stat().st_size == 3 << 20
+    assert inproc(source=written.source).size(f"lost+found/#{cut.ino}") == 3 << 20
 
 
 def test_orphan_left_by_crash_is_purged(written):
@@ -137,7 +145,7 @@ def test_counter_behind_ids_in_use_is_raised(written):
     expect_repair(written, "[counters]")
 
 
-def test_damaged_data_is_reported_not_repaired(written):
+def test_damaged_data_is_reported_not_repaired(written, inproc):
     index = Index(str(written.source / ".ckptfs" / "index"))
     try:
         chunk = first_chunk(index, ix.dirent_decode(
@@ -154,11 +162,10 @@ def test_damaged_data_is_reported_not_repaired(written):
     assert res.returncode == LEFT and "[data]" in res.stdout, res.stdout
     res = written.fsck("--repair")
     assert res.returncode == LEFT, res.stdout
-    written.start()
-    with pytest.raises(OSError) as err:
-        (written.path / "big").read_bytes()
-    assert err.value.errno == 5
-    assert (written.path / "d" / "a").read_bytes() == b"a" * 5000
+    fs = inproc(source=written.source)
+    with pytest.raises(DamagedData):        # EIO through a mount (fuse_ops)
+        fs.run(lambda fs: fs.read_file("big"))
+    assert fs.run(lambda fs: fs.read_file("d/a")) == b"a" * 5000
 
 
 def test_missing_chunk_id_entry_is_restored(written):
@@ -178,11 +185,10 @@ def test_id_entry_naming_the_wrong_chunk_is_removed(written):
     expect_repair(written, "does not hold it")
 
 
-def test_wrong_chunk_totals_are_recounted(written):
+def test_wrong_chunk_totals_are_recounted(written, inproc):
     plant(written, lambda txn: txn.put("meta", b"stored_log_bytes", ix.u64_le(12345)))
     expect_repair(written, "stored_log_bytes is 12345")
-    written.start()
-    assert written.stat()["stored_bytes"] > 3 << 20
+    assert inproc(source=written.source).stats()["stored_bytes"] > 3 << 20
 
 
 def test_chunk_bytes_that_do_not_match_their_id_are_damage(written):
@@ -197,31 +203,31 @@ def test_chunk_bytes_that_do_not_match_their_id_are_damage(written):
     assert res.returncode == LEFT and "do not match the chunk id" in res.stdout, res.stdout
 
 
-def test_wrong_pack_record_is_repaired(make_mount):
-    m = make_mount(options=["pmem_size=64M", "hot_versions=0"])
-    (m.path / "cold").write_bytes(os.urandom(2 << 20))
-    from mounting import run_ckptfs
-    run_ckptfs("tier", str(m.path), "--now", "--all")
-    m.umount()
+def test_wrong_pack_record_is_repaired(inproc):
+    fs = inproc(["pmem_size=64M", "hot_versions=0"])
+
+    async def cold(fs) -> None:
+        await fs.write_file("cold", os.urandom(2 << 20))
+        await fs.tier_now(everything=True)
+    fs.run(cold)
+    fs.shutdown()
 
     def wrong(txn):
         for k, _ in list(txn.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))):
             pack = ix.get_pack(txn, ix.read_u64(k))
             pack.live_chunks += 5
             ix.put_pack(txn, pack)
-    plant(m, wrong)
-    expect_repair(m, "[packs]")
+    plant(fs, wrong)
+    expect_repair(fs, "[packs]")
 
 
 def test_fsck_refuses_a_mounted_filesystem(mounted):
-    from mounting import run_ckptfs
     res = run_ckptfs("fsck", str(mounted.source), check=False)
     assert res.returncode == 1 and "unmount it first" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
 
 def test_fsck_of_a_plain_directory_fails(tmp_path: Path):
-    from mounting import run_ckptfs
     res = run_ckptfs("fsck", str(tmp_path), check=False)
     assert res.returncode == 1 and "holds no ckptfs" in res.stderr
 
@@ -242,22 +248,21 @@ def _damage_first_log_chunk(m, log_path: Path, name: bytes) -> None:
         f.write(bytes([byte[0] ^ 0x5A]))
 
 
-def test_fsck_without_pmem_checks_the_log_the_mount_used(make_mount, tmp_path):
+def test_fsck_without_pmem_checks_the_log_the_mount_used(inproc, tmp_path):
     """The log placed elsewhere at mount: fsck without -o pmem= still checks it."""
     log_path = tmp_path / "elsewhere" / "ckpt.log"
     log_path.parent.mkdir()
-    m = make_mount(options=["pmem_size=64M", f"pmem={log_path}"])
-    (m.path / "f").write_bytes(os.urandom(1 << 20))
-    m.umount()
-    assert m.fsck().returncode == CLEAN
-    _damage_first_log_chunk(m, log_path, b"f")
-    res = m.fsck()
+    fs = inproc(["pmem_size=64M", f"pmem={log_path}"])
+    fs.run(lambda fs: fs.write_file("f", os.urandom(1 << 20)))
+    fs.shutdown()
+    assert fs.fsck().returncode == CLEAN
+    _damage_first_log_chunk(fs, log_path, b"f")
+    res = fs.fsck()
     assert res.returncode == LEFT and "[data]" in res.stdout, res.stdout
     assert "clean" not in res.stdout
-    m.start()                                   # and the mount finds it without pmem= too
-    with pytest.raises(OSError) as err:
-        (m.path / "f").read_bytes()
-    assert err.value.errno == 5
+    again = inproc([], source=fs.source)         # and a mount finds it without pmem= too
+    with pytest.raises(DamagedData):            # EIO through a mount (fuse_ops)
+        again.run(lambda fs: fs.read_file("f"))
 
 
 def test_fsck_with_the_log_missing_says_what_it_did_not_check(written):
@@ -270,16 +275,18 @@ def test_fsck_with_the_log_missing_says_what_it_did_not_check(written):
     assert len(lines) == 1 and "pmem.log" in lines[0], res.stdout
 
 
-def test_fsck_with_the_backing_store_gone_is_not_clean(make_mount, tmp_path):
-    from mounting import run_ckptfs
+def test_fsck_with_the_backing_store_gone_is_not_clean(inproc, tmp_path):
     store = tmp_path / "store"
-    m = make_mount(options=["pmem_size=64M", f"backing={store}"])
-    (m.path / "cold").write_bytes(os.urandom(2 << 20))
-    run_ckptfs("tier", str(m.path), "--now", "--all")
-    m.umount()
-    assert m.fsck().returncode == CLEAN
+    fs = inproc(["pmem_size=64M", f"backing={store}"])
+
+    async def cold(fs) -> None:
+        await fs.write_file("cold", os.urandom(2 << 20))
+        await fs.tier_now(everything=True)
+    fs.run(cold)
+    fs.shutdown()
+    assert fs.fsck().returncode == CLEAN
     store.rename(tmp_path / "store.away")
-    res = m.fsck()
+    res = fs.fsck()
     assert res.returncode == LEFT, res.stdout + res.stderr
     assert "clean" not in res.stdout
     lines = [ln for ln in res.stdout.splitlines() if "not checked" in ln]
@@ -310,47 +317,45 @@ def _rename_entry(txn, parent: int, old: bytes, new: bytes) -> None:
 
 
 @pytest.mark.parametrize("bad", [b".", b"..", b"", b"a/b", b"nul\0name"])
-def test_entry_with_an_impossible_name_goes_to_lost_found(written, bad):
+def test_entry_with_an_impossible_name_goes_to_lost_found(written, inproc, bad):
     plant(written, lambda txn: _rename_entry(txn, ix.ROOT_INO, b"big", bad))
     expect_repair(written, "[names]")
-    written.start()
-    names = os.listdir(written.path)
+    fs = inproc(source=written.source)
+    names = fs.listdir()
     assert "big" not in names and names.count("..") == 0 and names.count(".") == 0
-    rescued = [p for p in (written.path / "lost+found").iterdir()]
-    assert [p.stat().st_size for p in rescued] == [3 << 20]
+    rescued = fs.listdir("lost+found")
+    assert [fs.size(f"lost+found/{name}") for name in rescued] == [3 << 20]
 
 
-def test_dotdot_listed_in_the_root_is_removed(written):
+def test_dotdot_listed_in_the_root_is_removed(written, inproc):
     plant(written, lambda txn: _add_entry(txn, ix.ROOT_INO, b"..", ix.ROOT_INO))
     expect_repair(written, "[names]")
-    written.start()
-    assert sorted(os.listdir(written.path)) == ["big", "d", "hard", "sym"]
+    assert inproc(source=written.source).listdir() == ["big", "d", "hard", "sym"]
 
 
-def test_name_listed_twice_in_a_directory_is_repaired(written):
+def test_name_listed_twice_in_a_directory_is_repaired(written, inproc):
     def twice(txn):
         cookie = ix.read_counter(txn, b"next_cookie")
         txn.put("meta", b"next_cookie", ix.u64_le(cookie + 1))
         txn.put("dirlist", ix.dirlist_key(ix.ROOT_INO, cookie), b"big")
     plant(written, twice)
     expect_repair(written, "twice")
-    written.start()
-    assert sorted(os.listdir(written.path)) == ["big", "d", "hard", "sym"]
+    assert inproc(source=written.source).listdir() == ["big", "d", "hard", "sym"]
 
 
-def test_directory_named_twice_keeps_one_name(written):
+def test_directory_named_twice_keeps_one_name(written, inproc):
     def second_name(txn):
         d = lookup(txn, ix.ROOT_INO, b"d")[0]
         _add_entry(txn, ix.ROOT_INO, b"d2", d)
     plant(written, second_name)
     expect_repair(written, "[tree]")
-    written.start()
-    assert sorted(os.listdir(written.path)) == ["big", "d", "hard", "sym"]
-    assert os.stat(written.path).st_nlink == 3
-    assert (written.path / "d" / "a").read_bytes() == b"a" * 5000
+    fs = inproc(source=written.source)
+    assert fs.listdir() == ["big", "d", "hard", "sym"]
+    assert fs.attrs("").inode.nlink == 3
+    assert fs.run(lambda fs: fs.read_file("d/a")) == b"a" * 5000
 
 
-def test_directory_cycle_is_broken(written):
+def test_directory_cycle_is_broken(written, inproc):
     def cycle(txn):
         root = ix.get_inode(txn, ix.ROOT_INO)
         counters = {n: ix.read_counter(txn, n) for n in (b"next_ino",)}
@@ -363,19 +368,18 @@ def test_directory_cycle_is_broken(written):
         _add_entry(txn, b, b"a", a)
     plant(written, cycle)
     expect_repair(written, "[tree]")
-    written.start()
-    rescued = os.listdir(written.path / "lost+found")
+    fs = inproc(source=written.source)
+    rescued = fs.listdir("lost+found")
     assert len(rescued) == 1
-    inner = os.listdir(written.path / "lost+found" / rescued[0])
-    assert len(inner) == 1 and os.listdir(written.path / "lost+found" / rescued[0] / inner[0]) == []
+    inner = fs.listdir(f"lost+found/{rescued[0]}")
+    assert len(inner) == 1 and fs.listdir(f"lost+found/{rescued[0]}/{inner[0]}") == []
 
 
-def test_parent_pointer_that_disagrees_is_mended(written):
+def test_parent_pointer_that_disagrees_is_mended(written, inproc):
     def wrong(txn):
         d = ix.get_inode(txn, lookup(txn, ix.ROOT_INO, b"d")[0])
         d.parent = 12345
         ix.put_inode(txn, d)
     plant(written, wrong)
     expect_repair(written, "records parent")
-    written.start()
-    assert os.path.samefile(written.path / "d" / "..", written.path)
+    assert inproc(source=written.source).lookup("d/..") == ix.ROOT_INO

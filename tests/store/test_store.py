@@ -6,7 +6,9 @@ directories, a 1,100-level path; then the index and the log are lost and
 recover must give back exactly the newest published state, or name what it
 cannot. Crafted stores (bad sizes, bad JSON, missing fields, a damaged head,
 legacy manifests) must give one clear line per bad item, exit 4, never a
-traceback, never a partial index.
+traceback, never a partial index: the store those tests craft from is written,
+and what recover gave back is read, in this process (tests/inproc.py, the
+`tiered` fixture); recover and fsck are the real commands.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from inproc import InProcess
 from mounting import run_ckptfs
 from posix_helpers import check_clean, read_file, write_file
 from store_craft import Store
@@ -195,16 +198,35 @@ def test_recover_a_1100_level_path(make_mount, fsck_clean):
 
 
 @pytest.fixture
-def tiered(make_mount):
+def tiered(inproc) -> InProcess:
     """An unmounted ckptfs whose three files are all in the store, index and log lost."""
-    m = make_mount(options=["pmem_size=64M"])
-    (m.path / "d").mkdir()
-    for name, seed in (("a.bin", 1), ("b.bin", 2), ("d/c.bin", 3)):
-        write_file(m.path / name, floats(MiB, seed))
-    tier_all(m)
-    m.umount()
-    lose_index_and_log(m)
-    return m
+    fs = inproc(["pmem_size=64M"])
+
+    async def fill(fs: InProcess) -> None:
+        fs.mkdir("d")
+        for name, seed in (("a.bin", 1), ("b.bin", 2), ("d/c.bin", 3)):
+            await fs.write_file(name, floats(MiB, seed))
+        await fs.tier_now(everything=True)
+    fs.run(fill)
+    fs.shutdown()
+    lose_index_and_log(fs)
+    return fs
+
+
+def reopen(inproc, m: InProcess) -> InProcess:
+    """What recover gave back, opened as a mount opens it."""
+    return inproc(["pmem_size=64M"], source=m.source)
+
+
+def read(fs: InProcess, path: str) -> bytes:
+    return fs.run(lambda fs: fs.read_file(path))
+
+
+def shut_down_clean(fs: InProcess) -> None:
+    """A clean unmount, then fsck must be clean (check_clean of a mount)."""
+    fs.shutdown()
+    res = fs.fsck()
+    assert res.returncode == 0, f"fsck found problems:\n{res.stdout}\n{res.stderr}"
 
 
 def _expect_named(m, res, names: list[str]) -> None:
@@ -251,30 +273,30 @@ def _entry_with(field: str, value):
     pytest.param(_entry_with("i", "seven"), "a.bin", id="ino-not-a-number"),
     pytest.param(_entry_with("i", 2 ** 64), "a.bin", id="ino-too-big"),
 ])
-def test_a_bad_file_in_a_crafted_snapshot_is_named_and_the_rest_recovered(tiered, fsck_clean,
+def test_a_bad_file_in_a_crafted_snapshot_is_named_and_the_rest_recovered(tiered, inproc,
                                                                           change, shown):
     Store(tiered.source / ".ckptfs" / "store").rewrite("a.bin", change)
     res = recover(tiered)
     _expect_named(tiered, res, [shown])
-    tiered.start()
-    assert read_file(tiered.path / "b.bin") == floats(MiB, 2)
-    assert read_file(tiered.path / "d" / "c.bin") == floats(MiB, 3)
-    assert sorted(os.listdir(tiered.path)) == ["b.bin", "d"]
-    check_clean(fsck_clean, tiered)
+    fs = reopen(inproc, tiered)
+    assert read(fs, "b.bin") == floats(MiB, 2)
+    assert read(fs, "d/c.bin") == floats(MiB, 3)
+    assert fs.listdir() == ["b.bin", "d"]
+    shut_down_clean(fs)
 
 
-def test_a_bad_directory_is_named_with_everything_below_it(tiered, fsck_clean):
+def test_a_bad_directory_is_named_with_everything_below_it(tiered, inproc):
     store = Store(tiered.source / ".ckptfs" / "store")
     store.rewrite("d", lambda e, s: e.__setitem__("d", s.put({"v": 1, "t": "dir"})))
     res = recover(tiered)
     _expect_named(tiered, res, ["d"])
     assert "nothing below it" in res.stdout
-    tiered.start()
-    assert sorted(os.listdir(tiered.path)) == ["a.bin", "b.bin"]
-    check_clean(fsck_clean, tiered)
+    fs = reopen(inproc, tiered)
+    assert fs.listdir() == ["a.bin", "b.bin"]
+    shut_down_clean(fs)
 
 
-def test_a_damaged_newest_head_builds_no_index_and_names_the_older_ones(tiered, fsck_clean):
+def test_a_damaged_newest_head_builds_no_index_and_names_the_older_ones(tiered, inproc):
     store = Store(tiered.source / ".ckptfs" / "store")
     path, head = store.newest_head()
     older = dict(head, seq=head["seq"] - 1)
@@ -289,26 +311,26 @@ def test_a_damaged_newest_head_builds_no_index_and_names_the_older_ones(tiered, 
     res = recover(tiered, "--head", str(older["seq"]))    # the operator's explicit choice
     assert res.returncode == 0, res.stdout
     assert f"snapshot {older['seq']}" in res.stdout
-    tiered.start()
-    assert sorted(os.listdir(tiered.path)) == ["a.bin", "b.bin", "d"]
-    check_clean(fsck_clean, tiered)
+    fs = reopen(inproc, tiered)
+    assert fs.listdir() == ["a.bin", "b.bin", "d"]
+    shut_down_clean(fs)
 
 
-def test_an_interrupted_recover_leaves_no_index_and_the_rerun_works(tiered, fsck_clean):
+def test_an_interrupted_recover_leaves_no_index_and_the_rerun_works(tiered, inproc):
     leftover = tiered.source / ".ckptfs" / "index.recover-tmp"
     leftover.mkdir()
     (leftover / "data.mdb").write_bytes(b"half a database")
     res = recover(tiered)
     assert res.returncode == 0, res.stdout + res.stderr
     assert not leftover.exists()
-    tiered.start()
-    assert read_file(tiered.path / "a.bin") == floats(MiB, 1)
-    check_clean(fsck_clean, tiered)
+    fs = reopen(inproc, tiered)
+    assert read(fs, "a.bin") == floats(MiB, 1)
+    shut_down_clean(fs)
 
 
 # ---------------------------------------- stores written before snapshots
 
-def test_legacy_manifests_are_read_newest_last_with_their_limits_said(tiered, fsck_clean):
+def test_legacy_manifests_are_read_newest_last_with_their_limits_said(tiered, inproc):
     store = Store(tiered.source / ".ckptfs" / "store")
     a_doc = store.file_doc("a.bin")
     b_doc = store.file_doc("b.bin")
@@ -328,10 +350,10 @@ def test_legacy_manifests_are_read_newest_last_with_their_limits_said(tiered, fs
     assert "no snapshot" in res.stdout and "deletions" in res.stdout     # the limits, said
     named = [ln for ln in res.stdout.splitlines() if ln.startswith("not recovered")]
     assert len(named) == 3 and all("manifests/" in ln for ln in named), res.stdout
-    tiered.start()
-    assert read_file(tiered.path / "a.bin") == floats(MiB, 1)            # the newer one
-    assert sorted(os.listdir(tiered.path)) == ["a.bin", "b.bin", "d"]
-    check_clean(fsck_clean, tiered)
+    fs = reopen(inproc, tiered)
+    assert read(fs, "a.bin") == floats(MiB, 1)                           # the newer one
+    assert fs.listdir() == ["a.bin", "b.bin", "d"]
+    shut_down_clean(fs)
 
 
 def test_large_directories_and_files_go_on_pages(make_mount, fsck_clean, monkeypatch):
@@ -408,7 +430,7 @@ def test_unchanged_objects_are_not_written_again(make_mount, tmp_path):
     m.umount()
 
 
-def test_fsck_repair_publishes_a_snapshot_before_deleting_unnamed_packs(tiered, fsck_clean):
+def test_fsck_repair_publishes_a_snapshot_before_deleting_unnamed_packs(tiered, inproc):
     """A pack no index record names may be one the newest snapshot still names
     (its last chunk went, no snapshot since): fsck --repair publishes one of
     the repaired index first, so recover keeps working afterwards."""
@@ -425,9 +447,9 @@ def test_fsck_repair_publishes_a_snapshot_before_deleting_unnamed_packs(tiered, 
     assert len(store_of(tiered).head_paths()) == len(heads_before) + 1
     lose_index_and_log(tiered)
     assert recover(tiered).returncode == 0
-    tiered.start()
-    assert read_file(tiered.path / "d" / "c.bin") == floats(MiB, 3)
-    check_clean(fsck_clean, tiered)
+    fs = reopen(inproc, tiered)
+    assert read(fs, "d/c.bin") == floats(MiB, 3)
+    shut_down_clean(fs)
 
 
 def test_index_damage_is_published_as_such_and_named_by_recover(make_mount, fsck_clean):
