@@ -43,6 +43,10 @@ order; little-endian in values):
               b"stored_pack_bytes", b"pack_logical_bytes" -> u64 totals over
                            the chunk table, kept in the same transactions as
                            the chunks (what `ckptfs stat` shows)
+              b"files", b"file_bytes" -> u64 totals over the inode table:
+                           regular files and the sum of their sizes, kept by
+                           put_inode and delete_inode in the same
+                           transactions (`ckptfs stat` without a scan)
     inodes    ino -> Inode (see INODE_STRUCT). `parent` is kept for
               directories only (they have exactly one); `data_bytes` is the
               sum of extent lengths (what `du` shows).
@@ -112,6 +116,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import struct
 import time
 import uuid as uuidlib
@@ -127,9 +132,9 @@ from .errors import DamagedData, FormatError, IndexFailure, IndexFull, ReadOnly
 
 log = logging.getLogger(__name__)
 
-# 1: no chunk ids; 2: SOURCE chunks without the identity of the file adopted
-# (both upgraded in place by upgrade_format).
-FORMAT_VERSION = 3
+# 1: no chunk ids; 2: SOURCE chunks without the identity of the file adopted;
+# 3: no file totals (all upgraded in place by upgrade_format).
+FORMAT_VERSION = 4
 ROOT_INO = 1
 FIRST_COOKIE = 16  # cookies 1 and 2 are "." and ".." in readdir
 CRC_BLOCK_BYTES = 64 * 1024
@@ -154,6 +159,8 @@ ID_COUNTERS = (b"next_ino", b"next_chunk", b"next_cookie", b"next_pack", b"next_
 # Totals over the chunk table; add_chunk/delete_chunk/move_chunk keep them exact.
 STAT_COUNTERS = (b"chunks", b"stored_log_bytes", b"stored_source_bytes", b"stored_pack_bytes",
                  b"pack_logical_bytes")
+# Totals over the inode table; put_inode/delete_inode keep them exact.
+FILE_COUNTERS = (b"files", b"file_bytes")
 
 # The reserve of room for the index's growth (see the module docstring): an
 # eighth of the index's size, within these bounds. Growing changes are refused
@@ -536,7 +543,8 @@ class Index:
 
         Format 1 had no chunk ids and no chunk totals: every LOG chunk gets an
         all-zero id (stored without dedup, never a dedup target) and the
-        totals are counted. Format 2 did not record which file a SOURCE chunk
+        totals are counted. Formats 1-3 had no file totals: counted (one scan
+        of the inodes). Format 2 did not record which file a SOURCE chunk
         adopted: source_identity(paths) gives (SOURCE_FS_*, st_dev, st_ino) of
         what the paths reach now, safely (files.SourceFiles.identify); without
         it, or when it raises OSError, the chunk's identity stays unknown and
@@ -564,6 +572,8 @@ class Index:
                 except OSError as e:
                     unknown.append(f"{paths.split(bytes(1))[0]!r} ({e})")
                 txn.put("chunks", k, chunk.encode())
+            for name, value in count_files(txn).items():
+                txn.put("meta", name, _LOGLOC.pack(value))
             txn.put("meta", b"format", struct.pack("<I", FORMAT_VERSION))
 
         self.write_direct(upgrade)
@@ -574,7 +584,7 @@ class Index:
         return True
 
     def _load_counters(self) -> None:
-        for name in ID_COUNTERS + STAT_COUNTERS:
+        for name in ID_COUNTERS + STAT_COUNTERS + FILE_COUNTERS:
             self.counters[name] = read_counter(self, name)
 
     def allocate_id(self, name: bytes) -> int:
@@ -1065,7 +1075,49 @@ def get_inode(kv, ino: int) -> Optional[Inode]:
 
 
 def put_inode(kv, inode: Inode) -> None:
-    kv.put("inodes", ino_key(inode.ino), inode.encode())
+    key = ino_key(inode.ino)
+    raw = inode.encode()
+    _count_file(kv, kv.get("inodes", key), raw)
+    kv.put("inodes", key, raw)
+
+
+def delete_inode_record(kv, ino: int) -> None:
+    """Delete an inode's record (and nothing else), keeping the file totals."""
+    key = ino_key(ino)
+    _count_file(kv, kv.get("inodes", key), None)
+    kv.delete("inodes", key)
+
+
+_INODE_MODE = struct.Struct("<I")
+_INODE_SIZE_AT = 24                 # INODE_STRUCT: mode, nlink, uid, gid (u32), rdev, size
+
+
+def _file_weight(raw: Optional[bytes]) -> tuple[int, int]:
+    """What an encoded inode adds to the file totals: (1, size) for a regular
+    file, else (0, 0); a damaged record adds nothing (fsck recounts)."""
+    if raw is None or len(raw) != INODE_STRUCT.size:
+        return 0, 0
+    if not stat.S_ISREG(_INODE_MODE.unpack_from(raw)[0]):
+        return 0, 0
+    return 1, _LOGLOC.unpack_from(raw, _INODE_SIZE_AT)[0]
+
+
+def _count_file(kv, old: Optional[bytes], new: Optional[bytes]) -> None:
+    (f0, b0), (f1, b1) = _file_weight(old), _file_weight(new)
+    if f1 != f0:
+        kv.adjust_counter(b"files", f1 - f0)
+    if b1 != b0:
+        kv.adjust_counter(b"file_bytes", b1 - b0)
+
+
+def count_files(kv) -> dict[bytes, int]:
+    """The file totals, counted over the inode table (upgrade, fsck). May block."""
+    files = size = 0
+    for _, raw in kv.items("inodes", u64(0), u64((1 << 64) - 1)):
+        f, b = _file_weight(raw)
+        files += f
+        size += b
+    return {b"files": files, b"file_bytes": size}
 
 
 def get_chunk(kv, chunk_no: int) -> Optional[Chunk]:

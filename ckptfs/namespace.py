@@ -229,7 +229,7 @@ class Namespace:
     def delete_inode(self, ino: int) -> None:
         """Drop an unlinked inode's record, xattrs and symlink target."""
         key = ix.ino_key(ino)
-        self.index.delete("inodes", key)
+        ix.delete_inode_record(self.index, ino)
         self.index.delete("symlinks", key)
         self.index.delete("orphans", key)
         lo, hi = ix.prefix_range(ino)

@@ -450,6 +450,43 @@ def test_stat_json(mounted):
     assert str(mounted.pid) in human.stdout
 
 
+def test_stat_file_totals_follow_every_change(make_mount, fsck_clean):
+    """files and logical_bytes are counters kept with each change (no scan):
+    they must match the tree after creates, writes, truncates, O_TRUNC,
+    links, renames over a file, unlinks (an open one counts until its close),
+    and a remount."""
+    m = make_mount()
+    root = m.path
+
+    def expect(files: int, size: int) -> None:
+        s = m.stat()
+        assert (s["files"], s["logical_bytes"]) == (files, size)
+
+    write_file(root / "a", pattern(3 * MiB, 1))
+    write_file(root / "b", pattern(1000, 2))
+    os.mkdir(root / "d")
+    os.symlink("a", root / "d" / "sym")
+    expect(2, 3 * MiB + 1000)
+    os.truncate(root / "a", MiB)                    # shrink
+    os.truncate(root / "b", 5000)                   # grow
+    expect(2, MiB + 5000)
+    write_file(root / "b", pattern(10, 3))          # O_TRUNC rewrite
+    os.link(root / "a", root / "d" / "hard")        # one inode, two names
+    expect(2, MiB + 10)
+    write_file(root / "c", pattern(7, 4))
+    os.rename(root / "c", root / "b")               # replaces b
+    expect(2, MiB + 7)
+    fd = os.open(root / "b", os.O_RDONLY)
+    os.unlink(root / "b")                           # open: still an inode
+    expect(2, MiB + 7)
+    os.close(fd)
+    os.unlink(root / "a")
+    expect(1, MiB)                                  # d/hard keeps it
+    m.remount()
+    expect(1, MiB)
+    fsck_clean(m)
+
+
 def test_stat_json_fields_are_documented(make_mount):
     readme = (REPO / "README.md").read_text()
     start = readme.index("`ckptfs stat --json` prints")

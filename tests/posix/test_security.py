@@ -445,14 +445,14 @@ def test_upgrade_records_what_it_reaches_safely(world_dir, make_mount, fsck_clea
     m.umount()
     _secret_untouched(secret)
     log_text = (src / ".ckptfs" / "daemon.log").read_text()
-    assert "upgraded index" in log_text and "from format 2 to 3" in log_text
+    assert "upgraded index" in log_text and f"from format 2 to {ix.FORMAT_VERSION}" in log_text
     for rel in swapped:
         assert sum(repr(rel.encode()) in line and "could not be identified" in line
                    for line in log_text.splitlines()) == 1, rel
     assert not (src / "shared" / "other.bin").exists()     # identified, so deleted with it
     index = Index(str(src / ".ckptfs" / "index"))
     try:
-        assert index.format_version() == ix.FORMAT_VERSION == 3
+        assert index.format_version() == ix.FORMAT_VERSION == 4
     finally:
         index.close()
     check_clean(fsck_clean, m)

@@ -191,6 +191,33 @@ def test_wrong_chunk_totals_are_recounted(written, inproc):
     assert inproc(source=written.source).stats()["stored_bytes"] > 3 << 20
 
 
+def test_wrong_file_totals_are_recounted(written):
+    plant(written, lambda txn: (txn.put("meta", b"files", ix.u64_le(7)),
+                                txn.put("meta", b"file_bytes", ix.u64_le(1))))
+    expect_repair(written, "files is 7")
+    written.start()
+    s = written.stat()
+    assert (s["files"], s["logical_bytes"]) == (2, 5000 + (3 << 20))
+
+
+def test_format_3_index_gets_its_file_totals_at_the_next_mount(written):
+    """Format 3 kept no file totals: fsck refuses it, a mount counts them."""
+    import struct
+
+    def to_format_3(txn):
+        txn.delete("meta", b"files")
+        txn.delete("meta", b"file_bytes")
+        txn.put("meta", b"format", struct.pack("<I", 3))
+    plant(written, to_format_3)
+    res = written.fsck()
+    assert res.returncode != 0 and "format 3" in res.stdout + res.stderr
+    written.start()
+    s = written.stat()
+    assert (s["files"], s["logical_bytes"]) == (2, 5000 + (3 << 20))
+    written.umount()
+    assert written.fsck().returncode == CLEAN
+
+
 def test_chunk_bytes_that_do_not_match_their_id_are_damage(written):
     def swap(txn):
         chunk = first_chunk(txn, lookup(txn, ix.ROOT_INO, b"big")[0])
