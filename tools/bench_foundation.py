@@ -31,6 +31,13 @@ Workloads (full sizes; --quick shrinks them):
   torch_save    torch.save of a ~1 GB state dict of 32 float32 tensors, as users call
                 it: no fsync (an fsync right after is timed separately, for information)
   torch_load    torch.load(weights_only=True) after unmount, drop caches, remount
+  shards8       8 files of 256 MiB written (untimed), then after unmount, drop caches,
+                remount, 8 processes each read their own at once in 1 MiB reads:
+                aggregate MB/s (a sharded restore)
+  cold_tier     ckptfs only: a 1 GiB file moved to the backing store (`ckptfs tier
+                --now --all`), then read after unmount, drop caches, remount (every
+                chunk fetched from packs, decompressed, verified): MB/s, against
+                the same file read hot (in the log) after the same remount
   sync_file     stress-ng's sync-file stressor (0.15.06): a 64 MiB file, created and
                 unlinked, then per bogo op three times: ftruncate to 0, fdatasync,
                 fallocate 64 MiB (where fallocate is not supported - every FUSE target
@@ -107,6 +114,8 @@ class Sizes:
     sync_file_s: float = 20.0
     rand_file_bytes: int = 256 * MiB
     rand_writes: int = 8192
+    shard_bytes: int = 256 * MiB
+    tier_bytes: int = 1 * GiB
 
 
 FULL = Sizes(seq_bytes=2 * GiB, seq_block=1 * MiB, small_bytes=64 * MiB, small_block=8 * KiB,
@@ -115,12 +124,15 @@ FULL = Sizes(seq_bytes=2 * GiB, seq_block=1 * MiB, small_bytes=64 * MiB, small_b
 QUICK = Sizes(seq_bytes=256 * MiB, seq_block=1 * MiB, small_bytes=16 * MiB, small_block=8 * KiB,
               files=500, file_bytes=4 * KiB, torch_bytes=200_000_000, torch_tensors=24,
               rss_bytes=1 * GiB, pmem_size="2G", sync_file_s=6.0,
-              rand_file_bytes=64 * MiB, rand_writes=2048)
+              rand_file_bytes=64 * MiB, rand_writes=2048, shard_bytes=32 * MiB,
+              tier_bytes=128 * MiB)
 
-TARGETS = ("raw", "bindfs", "minfs", "ckptfs-close", "ckptfs-lazy")
+TARGETS = ("raw", "bindfs", "minfs", "ckptfs-close", "ckptfs-lazy", "ckptfs-nodedup")
+DEFAULT_TARGETS = TARGETS[:5]     # ckptfs-nodedup (sync=close, dedup=off) when asked for
 CKPTFS_TARGETS = ("ckptfs-close", "ckptfs-lazy")
 BASELINES = ("raw", "bindfs", "minfs")
-WORKLOADS = ("seq", "write_8k", "randwrite_4k", "small_files", "torch", "sync_file")
+WORKLOADS = ("seq", "write_8k", "randwrite_4k", "small_files", "torch", "shards8", "cold_tier",
+             "sync_file")
 # ../shared/tools/minfs.py from the main checkout (one level more from a worktree)
 MINFS = next((p for p in (REPO.parent / "shared" / "tools" / "minfs.py",
                           REPO.parent.parent / "shared" / "tools" / "minfs.py") if p.is_file()),
@@ -139,6 +151,9 @@ METRICS: dict[str, tuple[str, list[tuple[str, float]]]] = {
     "small_files": ("files/s", [("bindfs", 0.5)]),
     "torch_save": ("MB/s", []),
     "torch_load": ("MB/s", [("raw", 0.8)]),
+    "shards8_read": ("MB/s", [("raw", 0.75)]),
+    "tier_hot_read": ("MB/s", []),
+    "tier_cold_read": ("MB/s", []),
     "sync_file": ("ops/s", []),
     "stress_sync_file": ("ops/s", []),
 }
@@ -231,6 +246,7 @@ class Target:
     """A place to run a workload: prepare() a fresh directory, remount() it cold."""
 
     name = "?"
+    cannot = {"cold_tier": "has no cold tier"}      # workload -> why this target skips it
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -341,7 +357,7 @@ class MinfsTarget(Target):
     """The bare pyfuse3 daemon: a flat directory that forgets its files at unmount."""
 
     name = "minfs"
-    cannot = {"small_files": "has no directories"}
+    cannot = {"small_files": "has no directories", "cold_tier": "has no cold tier"}
 
     def __init__(self, root: Path, script: Path, store_size: str) -> None:
         super().__init__(root)
@@ -415,10 +431,13 @@ def set_read_ahead(mountpoint: Path, kb: int) -> None:
 
 
 class CkptfsTarget(Target):
-    def __init__(self, root: Path, sync: str, pmem_size: str) -> None:
+    cannot: dict = {}
+
+    def __init__(self, root: Path, sync: str, pmem_size: str, dedup: bool = True) -> None:
         super().__init__(root)
         self.sync = sync
-        self.name = f"ckptfs-{sync}"
+        self.dedup = dedup
+        self.name = f"ckptfs-{sync}" if dedup else "ckptfs-nodedup"
         self.pmem_size = pmem_size
 
     def prepare(self, tag: str) -> Path:
@@ -430,7 +449,8 @@ class CkptfsTarget(Target):
 
     def _mount(self) -> None:
         run(MOUNT_CKPTFS + [str(self.workdir), str(self.workdir), "-o",
-                            f"pmem_size={self.pmem_size},sync={self.sync}"], timeout=300)
+                            f"pmem_size={self.pmem_size},sync={self.sync}"
+                            + ("" if self.dedup else ",dedup=off")], timeout=300)
         if not is_mounted(self.workdir):
             raise RuntimeError("mount.ckptfs returned 0 but nothing is mounted")
         self.pid = int(self.daemon_stats()["pid"])
@@ -494,6 +514,21 @@ class Pool:
         np.bitwise_xor(self.base[start:start + words], self._key(1000 + i // n_base),
                        out=out[:words])
         return memoryview(out[:words]).cast("B")
+
+
+# One shard reader of the shards8 workload: 1 MiB reads, prints the bytes read.
+SHARD_READER = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+buf = memoryview(bytearray(1 << 20))
+total = 0
+while True:
+    n = os.readv(fd, [buf])
+    if not n:
+        break
+    total += n
+print(total)
+"""
 
 
 def write_stream(fd: int, view: memoryview, total: int, block: int) -> None:
@@ -688,6 +723,8 @@ class Bench:
             "minfs": MinfsTarget(self.root, Path(args.minfs), args.pmem_size or sizes.pmem_size),
             "ckptfs-close": CkptfsTarget(self.root, "close", args.pmem_size or sizes.pmem_size),
             "ckptfs-lazy": CkptfsTarget(self.root, "lazy", args.pmem_size or sizes.pmem_size),
+            "ckptfs-nodedup": CkptfsTarget(self.root, "close", args.pmem_size or sizes.pmem_size,
+                                           dedup=False),
         }
         self.samples: dict[str, dict[str, list[float]]] = {
             m: {t: [] for t in TARGETS} for m in METRICS}
@@ -843,6 +880,56 @@ class Bench:
                 sd[f"layers.{i}.weight"] = torch.randn(rows, cols, generator=g)
             self._state_dict = sd
         return self._state_dict
+
+    def run_shards8(self, t: Target, tag: str) -> dict:
+        s, d = self.sizes, {}
+        wd = t.prepare(tag)
+        paths = [wd / f"shard{i}.bin" for i in range(8)]
+        for i, path in enumerate(paths):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            # Each shard its own bytes: 8 slices of the pool, none a copy of another.
+            write_stream(fd, self.pool.view[i * s.shard_bytes:], s.shard_bytes, MiB)
+            os.fsync(fd)
+            os.close(fd)
+        t.remount()
+        with self.timed(t, "shards8_read", d):
+            procs = [subprocess.Popen([sys.executable, "-c", SHARD_READER, str(p)],
+                                      stdout=subprocess.PIPE) for p in paths]
+            got = [int(proc.communicate()[0]) for proc in procs]
+        if any(g != s.shard_bytes for g in got) or any(p.returncode for p in procs):
+            raise RuntimeError(f"{t.name}: shard readers got {got}")
+        for i, path in enumerate(paths[:2]):
+            verify_file(path, self.pool.view[i * s.shard_bytes:], s.shard_bytes)
+        d.update(self._daemon_info(t, "read"))
+        t.finish()
+        self.record("shards8_read", t, 8 * s.shard_bytes / MB / d["shards8_read_s"])
+        return d
+
+    def run_cold_tier(self, t: Target, tag: str) -> dict:
+        s, d = self.sizes, {}
+        path = t.prepare(tag) / "tiered.bin"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        write_stream(fd, self.pool.view, s.tier_bytes, MiB)
+        os.fsync(fd)
+        os.close(fd)
+        buf = bytearray(MiB)
+        for label in ("tier_hot_read", "tier_cold_read"):
+            if label == "tier_cold_read":
+                run(CKPTFS + ["tier", str(t.workdir), "--now", "--all"], timeout=1200)
+            t.remount()
+            fd = os.open(path, os.O_RDONLY)
+            with self.timed(t, label, d):
+                got = read_stream(fd, buf)
+            os.close(fd)
+            if got != s.tier_bytes:
+                raise RuntimeError(f"{t.name}: {label} got {got} bytes")
+            d.update(self._daemon_info(t, "read"))
+            d[label + "_cold_fetches"] = t.daemon_stats().get("cold_fetches")
+        verify_file(path, self.pool.view, s.tier_bytes)
+        t.finish()
+        for label in ("tier_hot_read", "tier_cold_read"):
+            self.record(label, t, s.tier_bytes / MB / d[label + "_s"])
+        return d
 
     def run_torch(self, t: Target, tag: str) -> dict:
         import torch
@@ -1075,9 +1162,22 @@ def render_table(table: dict, rss: dict) -> str:
     lines.append("")
     lines.append("every rep (same unit):")
     for metric, row in table.items():
-        lines.append(f"  {metric:<12}" + "  ".join(
+        lines.append(f"  {metric:<16}" + "  ".join(
             f"{t} [{', '.join(fmt(x) for x in row['reps'][t])}]" for t in TARGETS
             if row["reps"].get(t)))
+    for metric in ("seq_write", "torch_save"):
+        row = table.get(metric)
+        if row and row["median"].get("ckptfs-close") and row["median"].get("ckptfs-nodedup"):
+            r = row["median"]["ckptfs-close"] / row["median"]["ckptfs-nodedup"]
+            lines.append(f"{metric} dedup on / off (sync=close): {r:.2f} "
+                         f"{'PASS' if r >= 0.9 else 'MISS'} (>= 0.9)")
+    hot, cold = table.get("tier_hot_read"), table.get("tier_cold_read")
+    if hot and cold:
+        for ck in CKPTFS_TARGETS:
+            if hot["median"].get(ck) and cold["median"].get(ck):
+                r = cold["median"][ck] / hot["median"][ck]
+                lines.append(f"cold-tier restore / hot read {ck}: {r:.2f} "
+                             f"{'PASS' if r >= 0.9 else 'MISS'} (>= 0.9)")
     for name, v in rss.items():
         lines.append(f"daemon peak RSS {name}: VmHWM {v['vmhwm_mb']:.0f} MB while writing "
                      f"{v['bytes'] / GiB:.0f} GiB ({v['MBps']:.0f} MB/s) -> "
@@ -1119,7 +1219,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--json", help="write every sample and the summary here")
     p.add_argument("--pmem-size", help="ckptfs log size (default 6G, --quick 2G)")
-    p.add_argument("--targets", default=",".join(TARGETS),
+    p.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
                    help=f"comma-separated subset of {','.join(TARGETS)}")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma-separated subset of {','.join(WORKLOADS)}")
