@@ -191,16 +191,15 @@ def test_wrong_chunk_totals_are_recounted(written, inproc):
     assert inproc(source=written.source).stats()["stored_bytes"] > 3 << 20
 
 
-def test_wrong_file_totals_are_recounted(written):
+def test_wrong_file_totals_are_recounted(written, inproc):
     plant(written, lambda txn: (txn.put("meta", b"files", ix.u64_le(7)),
                                 txn.put("meta", b"file_bytes", ix.u64_le(1))))
     expect_repair(written, "files is 7")
-    written.start()
-    s = written.stat()
+    s = inproc(source=written.source).stats()
     assert (s["files"], s["logical_bytes"]) == (2, 5000 + (3 << 20))
 
 
-def test_format_3_index_gets_its_file_totals_at_the_next_mount(written):
+def test_format_3_index_gets_its_file_totals_at_the_next_mount(written, inproc):
     """Format 3 kept no file totals: fsck refuses it, a mount counts them."""
     import struct
 
@@ -211,10 +210,10 @@ def test_format_3_index_gets_its_file_totals_at_the_next_mount(written):
     plant(written, to_format_3)
     res = written.fsck()
     assert res.returncode != 0 and "format 3" in res.stdout + res.stderr
-    written.start()
-    s = written.stat()
+    fs = inproc(source=written.source)          # opened as the daemon opens it
+    s = fs.stats()
     assert (s["files"], s["logical_bytes"]) == (2, 5000 + (3 << 20))
-    written.umount()
+    fs.shutdown()
     assert written.fsck().returncode == CLEAN
 
 
