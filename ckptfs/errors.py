@@ -202,6 +202,16 @@ class BlobDamaged(BackingError):
     errno = errno.EIO
 
 
+
+class StoreAhead(BackingError):
+    """The store holds a snapshot head of this filesystem numbered at or above
+    the one this index would publish next: the index is older than the store
+    (restored from a copy). Nothing is published, and nothing a newer head
+    may name is deleted, until `ckptfs fsck --repair` raises the counter."""
+
+    errno = errno.EIO
+
+
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 
 

@@ -436,6 +436,14 @@ class Fsck:
                              f"({live[pack_no]} chunks: reads of them give EIO)")
             elif self.verify_data:
                 self._check_trailer(pack_no, in_pack[pack_no])
+        in_store = [n for n in map(packs.pack_number, blobs) if n is not None]
+        counter = self.index.counters.get(b"next_pack", 0)
+        if in_store and counter <= max(in_store):
+            self.problem("packs", f"next_pack is {counter} but the store holds pack "
+                         f"{max(in_store)}: the index is older than the store (restored from "
+                         "a copy?) or another filesystem writes packs there; until --repair "
+                         "raises it, tiering writes no pack",
+                         _put("meta", b"next_pack", ix.u64_le(max(in_store) + 1)))
         named = {packs.pack_name(n) for n in recorded} | {packs.pack_name(n) for n in live}
         for blob in sorted(blobs - named):
             if packs.pack_number(blob) in intents:
@@ -473,7 +481,10 @@ class Fsck:
         counter = self.index.counters.get(b"next_head", 0)
         if counter <= seqs[-1]:
             self.problem("snapshots", f"next_head is {counter} but the store holds snapshot "
-                         f"{seqs[-1]}", _put("meta", b"next_head", ix.u64_le(seqs[-1] + 1)))
+                         f"{seqs[-1]}: the index is older than the store (restored from a "
+                         "copy?); until --repair raises it, mounts publish no snapshot and "
+                         "delete no pack (ckptfs recover rebuilds the newer state instead)",
+                         _put("meta", b"next_head", ix.u64_le(seqs[-1] + 1)))
         name = sf.head_name(fs_uuid, seqs[-1])
         try:
             head = sf.decode_head(name, fs_uuid, _read_limited(self.backend, name,

@@ -7,7 +7,10 @@ symlink, device node and hard link. `Publisher.publish` writes one:
 
 1. trio thread: reserve the next head number (`next_head` in the index) and
    wait until that is durable, so no later head can get a smaller number,
-   even after a crash;
+   even after a crash; a number not above every head of this filesystem in
+   the store is refused (`StoreAhead`: the index is older than the store),
+   so the head a publish writes is always the newest, and what it lets go
+   no newer head names;
 2. worker thread: walk the durable state (one LMDB read transaction: a
    consistent commit, never a half-applied batch), depth first with an
    explicit stack, writing each namespace object that the store does not
@@ -45,7 +48,7 @@ import trio
 from . import index as ix
 from . import snapshot_format as sf
 from .backing.base import Backend
-from .errors import BlobMissing, CkptfsError, FormatError
+from .errors import BlobMissing, CkptfsError, FormatError, StoreAhead
 from .index import CHUNK_PACK, ROOT_INO, Chunk, Index, Inode
 
 log = logging.getLogger(__name__)
@@ -161,6 +164,10 @@ class Publisher:
         if not force and self.index.durable_seq == self._state_seq \
                 and not self.pending_pack_deletes:
             return None
+        # Checked before the number is reserved: a refused publish must not
+        # consume numbers until one passes the store's newest head.
+        await trio.to_thread.run_sync(self._check_newest, self.index.counters[b"next_head"],
+                                      limiter=self.limiter)
         seq = self.index.reserve_id(b"next_head")
         await self.index.wait_durable(self.index.current_seq())
         self._state_seq = self.index.durable_seq
@@ -182,6 +189,7 @@ class Publisher:
         """Write snapshot `seq` (reserved durably by the caller), then delete what
         it made unnecessary. May block."""
         started = time.monotonic()
+        self._check_newest(seq)
         if self.objects is None:
             self._marked_heads.clear()     # kept heads are marked again from the store
             self.objects = {}
@@ -223,6 +231,21 @@ class Publisher:
             result.packs_deleted += 1
         self._collect(result)
         return result
+
+    def _check_newest(self, seq: int) -> None:
+        """StoreAhead unless `seq` is above every head of this filesystem in the
+        store. A head numbered below one there would not be the newest (recover
+        takes the other), and the packs it lets go the newer head may name.
+        May block."""
+        newest = max((s for s in map(sf.head_seq_from_name,
+                                     self.backend.list(sf.heads_prefix(self.fs_uuid)))
+                      if s is not None), default=None)
+        if newest is not None and newest >= seq:
+            raise StoreAhead(f"{self.backend.url} holds snapshot {newest} of this filesystem "
+                             f"and this index would publish {seq}: the index is older than "
+                             "the store (restored from a copy?); nothing is published "
+                             "until ckptfs fsck --repair raises its counter (ckptfs recover "
+                             "rebuilds the newer state instead)")
 
     def _put(self, data: bytes, result: Published) -> bytes:
         if len(data) > sf.MAX_OBJECT_BYTES:
@@ -423,6 +446,8 @@ class Publisher:
 def publish_offline(index: Index, backend: Backend, fs_uuid: bytes) -> Published:
     """Publish a snapshot from an unmounted filesystem's index (fsck --repair,
     before it deletes packs an older head may name). May block."""
+    publisher = Publisher(index, backend, fs_uuid)
+    publisher._check_newest(index.counters[b"next_head"])      # before reserving it
     seq = [0]
 
     def reserve(txn: ix.DirectTxn) -> None:
@@ -430,4 +455,4 @@ def publish_offline(index: Index, backend: Backend, fs_uuid: bytes) -> Published
         txn.put("meta", b"next_head", ix.u64_le(seq[0] + 1))
 
     index.write_direct(reserve)
-    return Publisher(index, backend, fs_uuid).publish_blocking(seq[0])
+    return publisher.publish_blocking(seq[0])

@@ -18,8 +18,11 @@ location, record the pack and clear its intent, all in the open index batch.
 A moved chunk's log space is released once that batch is durable and no
 read that might still use it is in flight. A pack an interrupted pass left
 (an intent, no record: a crash, a failed write) is deleted in the background
-from the next mount on (`clean_leftovers`); the mount never deletes a pack no
-intent of this filesystem names. After a pass (not one a waiting writer runs)
+from the next mount on (`clean_leftovers`), once this mount has published a
+snapshot (so the store's newest head names none of its chunks); the mount
+never deletes a pack no intent of this filesystem names, and never writes a
+pack whose name the store holds (an index older than the store: `StoreAhead`,
+and tiering stops). After a pass (not one a waiting writer runs)
 and at unmount, a snapshot of the whole namespace goes to the store
 (`snapshots.Publisher`, docs/STORE.md), so `ckptfs recover` can rebuild the
 newest state from the store alone. Packs whose last chunk went are deleted
@@ -56,7 +59,8 @@ from . import index as ix
 from . import native, packs
 from .backing.base import Backend
 from .chunker import chunk_id
-from .errors import BackingFull, CkptfsError, DamagedData, FormatError, NoSpace
+from .errors import (BackingFull, BlobMissing, CkptfsError, DamagedData, FormatError, NoSpace,
+                     StoreAhead)
 from .index import CHUNK_LOG, CHUNK_PACK, Chunk, Inode
 from .snapshots import Published, Publisher
 
@@ -64,12 +68,16 @@ log = logging.getLogger(__name__)
 
 PREFETCH_BATCH = 8               # cold chunks per prefetch call
 
-# Test hook: CKPTFS_DEBUG_PAUSE="POINT:PATH" stops the mover for good at POINT
-# (pack-writing: a pack half written; pack-written: committed, not yet named;
-# pass-done: a pass finished and durable; pack-dead: a pack that lost its
-# last chunk left the index, its blob not yet deleted) after creating PATH, so
-# that crash tests kill the daemon exactly there instead of sleeping and hoping.
+# Test hook: CKPTFS_DEBUG_PAUSE="POINT:PATH". The first time the mover reaches
+# POINT it creates PATH and waits there while PATH exists, so that crash tests
+# kill the daemon exactly there instead of sleeping and hoping (or delete PATH
+# to let it go on). Points: pack-begin (an intent durable, no byte of the pack
+# written), pack-writing (a pack half written), pack-written (committed in the
+# store, not yet named by the index), pass-done (a pass finished and durable),
+# pack-dead (a pack that lost its last chunk left the index, its blob not yet
+# deleted).
 DEBUG_PAUSE = os.environ.get("CKPTFS_DEBUG_PAUSE", "")
+_paused_once = False
 # Room a pack leaves free in the backing store: file system blocks and
 # directories, manifests, other writers. A store with less free space than a
 # pack takes smaller packs; one with less than this margin, none (BackingFull).
@@ -338,6 +346,10 @@ class Tierer:
         self._writing: set[int] = set()   # packs this pass is writing (intents in flight)
         self._leftovers = trio.Event()    # a pack write failed: clean up after it
         self._damage_seen: set[str] = set()
+        # Why this index is older than the store (StoreAhead), once seen: from
+        # then on this mount publishes nothing and writes no pack (what a newer
+        # head names must stay as it is until fsck --repair or recover).
+        self._store_ahead: Optional[str] = None
 
     # ------------------------------------------------------------- the task
 
@@ -590,8 +602,7 @@ class Tierer:
                 break               # let the waiting writer's pass have the lock
         if _pausing_at("pass-done"):
             await self.index.wait_durable(self.index.current_seq())
-            _pause_now("pass-done")
-            await trio.sleep_forever()
+            await _pause("pass-done")
         self.rounds += 1
         self.last_error = None
         self._backoff_s = 0.0
@@ -612,6 +623,8 @@ class Tierer:
     async def _move_batch(self, batch: list[Chunk]) -> tuple[int, int]:
         """Pack a prefix of batch (all of it if the store has room); return how
         many chunks it took and the logical bytes moved."""
+        if self._store_ahead is not None:
+            raise StoreAhead(f"no pack is written: {self._store_ahead}")
         pack_no = self.index.allocate_id(b"next_pack")
         epoch = self.files.begin_read()      # the log bytes we read stay put meanwhile
         self._writing.add(pack_no)
@@ -623,6 +636,12 @@ class Tierer:
             await self.index.wait_durable(self.index.current_seq())
             started = True
             written = await self._mover_thread.run(self._write_pack_blocking, pack_no, batch)
+        except StoreAhead as e:
+            self._store_ahead = str(e)
+            self._writing.discard(pack_no)
+            if self.index.failure is None:
+                ix.delete_pack_intent(self.index, pack_no)   # refused before its first byte
+            raise
         except BaseException:
             self._writing.discard(pack_no)
             if started:
@@ -651,8 +670,22 @@ class Tierer:
         """Read, compress and pack a prefix of the chunks (as many as the
         store has room for, at least one: BackingFull otherwise); commit the
         pack. Returns an entry (None: not moved) for each chunk taken. May block."""
+        if _pausing_at("pack-begin"):
+            _pause_blocking("pack-begin")
+        name = packs.pack_name(pack_no)
+        try:
+            self.backend.size(name)
+        except BlobMissing:
+            pass
+        else:
+            # Pack numbers are never reused: this index is older than the store
+            # (restored from a copy), or another filesystem writes packs there.
+            raise StoreAhead(f"{self.backend.url}: {name} is in the store already: this "
+                             "index is older than the store (restored from a copy?) or another "
+                             "filesystem writes packs there; ckptfs fsck --repair raises its "
+                             "counter")
         room = self._room_blocking()
-        writer = packs.PackWriter.create(self.backend, packs.pack_name(pack_no))
+        writer = packs.PackWriter.create(self.backend, name)
         out: list[Optional[packs.PackEntry]] = []
         by_id: dict[bytes, packs.PackEntry] = {}
         try:
@@ -676,16 +709,14 @@ class Tierer:
                     by_id[cid] = writer.add(cid, enc.codec, enc.param, enc.payload,
                                             chunk.length)
                     if len(writer) == 1 and _pausing_at("pack-writing"):
-                        _pause_now("pack-writing")
-                        threading.Event().wait()
+                        _pause_blocking("pack-writing")
                 out.append(by_id[cid])
             writer.commit()
         except BaseException:
             writer.abort()
             raise
         if _pausing_at("pack-written"):
-            _pause_now("pack-written")
-            threading.Event().wait()
+            _pause_blocking("pack-written")
         return out, writer.bytes_written
 
     def _flip(self, pack_no: int, size: int, batch: list[Chunk],
@@ -722,27 +753,32 @@ class Tierer:
         async with self._publishing:
             return await self._publish_locked(force)
 
-    async def _collect_garbage_and_publish(self) -> None:
-        """After a pass: packs with no live chunk leave the index (marked dead),
-        then a snapshot, which deletes their blobs."""
-        died = self.collect_garbage()
-        if died and _pausing_at("pack-dead"):
-            await self.index.wait_durable(self.index.current_seq())
-            _pause_now("pack-dead")
-            await trio.sleep_forever()
-        await self.publish()
-
     async def _publish_locked(self, force: bool) -> Optional[Published]:
         """Publish (the caller holds the publish lock); the dead packs it deleted
         lose their marks in the index."""
+        if self._store_ahead is not None:
+            raise StoreAhead(self._store_ahead)
         deleting = list(self.publisher.pending_pack_deletes)
-        done = await self.publisher.publish(force=force)
+        try:
+            done = await self.publisher.publish(force=force)
+        except StoreAhead as e:
+            self._store_ahead = str(e)
+            raise
         if done is not None:
             for name in deleting:
                 n = packs.pack_number(name)
                 if n is not None:
                     ix.delete_dead_pack(self.index, n)
         return done
+
+    async def _collect_garbage_and_publish(self) -> None:
+        """After a pass: packs with no live chunk leave the index (marked dead),
+        then a snapshot, which deletes their blobs."""
+        died = self.collect_garbage()
+        if died and _pausing_at("pack-dead"):
+            await self.index.wait_durable(self.index.current_seq())
+            await _pause("pack-dead")
+        await self.publish()
 
     def _resume_dead_pack_deletes(self) -> None:
         """Dead packs a crash (or an unpublished snapshot) left: the next
@@ -757,6 +793,9 @@ class Tierer:
         """The last snapshot, after the final commits (the mover is stopped)."""
         try:
             done = await self.publish()
+        except StoreAhead as e:
+            log.warning("no snapshot published at unmount: %s", e)
+            return
         except (CkptfsError, OSError) as e:
             log.warning("no snapshot published at unmount: %s (ckptfs recover would "
                         "restore an older one)", e)
@@ -795,7 +834,12 @@ class Tierer:
     async def clean_leftovers(self) -> int:
         """Undo interrupted passes: delete each pack (and its temporary) that an
         intent names and no pack record does, then clear the intents. Only
-        packs this filesystem's intents name are touched. Returns how many."""
+        packs this filesystem's intents name are touched, and a committed one
+        only once this mount has published a snapshot: then the newest head in
+        the store is of this index (a publish below a newer head is refused),
+        which names no chunk of a pack it has no record of; a head from an
+        index newer than this one (restored from an older copy) may. Returns
+        how many packs were deleted."""
         leftovers = self.leftover_packs()
         if not leftovers:
             return 0
@@ -808,13 +852,29 @@ class Tierer:
                 named.add(n)            # damaged record: keep the pack (fsck reports it)
         gone = [n for n in leftovers if n not in named]
         if gone:
+            committed = await trio.to_thread.run_sync(self._committed_blocking, gone,
+                                                      limiter=self.limiter)
+            if committed and self.publisher.last is None:
+                await self.publish(force=True)      # StoreAhead: kept, retried later
             await trio.to_thread.run_sync(self._delete_leftovers_blocking, gone,
                                           limiter=self.limiter)
-            log.info("removed %d packs left by an interrupted tiering pass", len(gone))
+            if committed:
+                log.info("removed %d packs left by an interrupted tiering pass", len(committed))
         for n in leftovers:
             if n not in self._writing:
                 ix.delete_pack_intent(self.index, n)
-        return len(gone)
+        return len(committed) if gone else 0
+
+    def _committed_blocking(self, pack_nos: list[int]) -> list[int]:
+        """Those of these packs whose blob is in the store. May block."""
+        out = []
+        for n in pack_nos:
+            try:
+                self.backend.size(packs.pack_name(n))
+            except BlobMissing:
+                continue
+            out.append(n)
+        return out
 
     def _delete_leftovers_blocking(self, pack_nos: list[int]) -> None:
         for n in pack_nos:
@@ -962,14 +1022,35 @@ class Tierer:
 
 
 def _pausing_at(point: str) -> bool:
-    return DEBUG_PAUSE.partition(":")[0] == point
+    """The test hook (DEBUG_PAUSE) names this point and has not paused yet."""
+    return not _paused_once and DEBUG_PAUSE.partition(":")[0] == point
 
 
-def _pause_now(point: str) -> None:
-    """The test hook (DEBUG_PAUSE) reached its point: say so with its file."""
-    log.warning("debug pause at %s (CKPTFS_DEBUG_PAUSE)", point)
-    with open(DEBUG_PAUSE.partition(":")[2], "w") as f:
+def _pause_begins(point: str) -> str:
+    global _paused_once
+    _paused_once = True
+    path = DEBUG_PAUSE.partition(":")[2]
+    log.warning("debug pause at %s (CKPTFS_DEBUG_PAUSE) until %s is removed", point, path)
+    with open(path, "w") as f:
         f.write(point)
+    return path
+
+
+def _pause_blocking(point: str) -> None:
+    """The test hook reached its point on the mover's thread: say so with its
+    file, wait while the file exists. Blocks."""
+    path = _pause_begins(point)
+    while os.path.exists(path):
+        time.sleep(0.02)
+    log.warning("debug pause at %s over", point)
+
+
+async def _pause(point: str) -> None:
+    """The same on the trio thread: only the mover's task waits."""
+    path = _pause_begins(point)
+    while os.path.exists(path):
+        await trio.sleep(0.02)
+    log.warning("debug pause at %s over", point)
 
 
 def _pack_size(writer: packs.PackWriter, payload_bytes: int) -> int:

@@ -22,9 +22,10 @@ recovery. `-m soak` runs hundreds of crash points (40 seeds x 8, ~25 min).
 sync=lazy runs the same way, with writers that fsync before most closes
 ("committed") and journal the other closes as "closed" (old or new, whole).
 Tiering rounds (sync=lazy, hot_versions=0): the mover's debug hook stops a
-tiering pass at a named point (a pack half written, committed but not named,
-a pass just done) while the writers go on renaming; the daemon is killed
-there, and the next mount must undo what the pass left by itself.
+tiering pass at a named point (a pack about to be written, half written,
+committed but not named, a pass just done, a dead pack not yet deleted) while
+the writers go on renaming; the daemon is killed there, and the next mount
+must finish or undo what the pass left by itself.
 
 Smaller tests: a clean unmount keeps every lazy close, a lazy close is durable
 after lazy_delay, and SIGTERM under a writer keeps its file's old content.
@@ -45,6 +46,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptfs.packs import pack_name
 from ckptfs.proc import process_exited
 from mounting import Mount
 from journal_model import ABSENT, Model, check, short
@@ -169,7 +171,7 @@ def test_sigkill_sync_lazy(make_mount, tmp_path, seed):
     crash_chain(make_mount, tmp_path, seed, ROUNDS, lazy=True)
 
 
-TIER_PAUSE_POINTS = ("pack-writing", "pack-written", "pass-done", "pack-dead")
+TIER_PAUSE_POINTS = ("pack-begin", "pack-writing", "pack-written", "pass-done", "pack-dead")
 
 
 def _wait_until(check, timeout_s: float, what: str) -> None:
@@ -185,9 +187,11 @@ def _renames(journals: dict[str, Path]) -> int:
 
 def test_sigkill_at_tiering_pause_points(make_mount, tmp_path, monkeypatch):
     """sync=lazy, writers renaming checkpoints over each other every few hundred
-    ms, and SIGKILL exactly where a tiering pass is: a pack half written, a pack
-    committed but not yet named, a pass just finished, a dead pack whose blob
-    waits for the next snapshot; each point twice, as a
+    ms, and SIGKILL exactly where a tiering pass is: a pack's intent durable and
+    none of its bytes written, a pack half written (upload in flight), a pack
+    committed but not yet named (before the index commit), a pass just
+    finished, a dead pack whose blob waits for the next snapshot; each point
+    twice, as a
     chain of rounds on one filesystem (recovery on top of recovery). The
     mover's debug hook (CKPTFS_DEBUG_PAUSE) stops it there and says so; no
     sleep hopes to hit the window. After each remount every path holds what its
@@ -221,7 +225,10 @@ def test_sigkill_at_tiering_pause_points(make_mount, tmp_path, monkeypatch):
         finally:
             stop_writers(procs)
         named, intents, blobs, temps, dead = store_packs(m)
-        if point == "pack-writing":
+        if point == "pack-begin":
+            assert intents and not temps and not {pack_name(n) for n in intents} & blobs, \
+                f"round {rnd}: no pack about to be written at the crash"
+        elif point == "pack-writing":
             assert intents and temps, f"round {rnd}: no pack being written at the crash"
         elif point == "pack-written":
             assert intents and blobs - named, f"round {rnd}: no unnamed pack at the crash"

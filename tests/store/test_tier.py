@@ -396,6 +396,135 @@ def test_dead_pack_survives_a_crash_only_until_the_next_snapshot(make_mount, tmp
     check_clean(fsck_clean, m)
 
 
+def _store_state(root: Path) -> dict[str, str]:
+    """Every blob of a local store (temporaries too) -> sha256 of its bytes."""
+    import hashlib
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in root.rglob("*") if f.is_file()}
+
+
+def _copy_index(src: Path, dst: Path) -> None:
+    """A consistent copy of a live index (one LMDB read transaction)."""
+    import lmdb
+    dst.mkdir()
+    env = lmdb.open(str(src), readonly=True, max_dbs=32)
+    try:
+        env.copy(str(dst))
+    finally:
+        env.close()
+
+
+def test_an_index_older_than_the_store_deletes_and_overwrites_no_pack(make_mount, tmp_path,
+                                                                     monkeypatch, fsck_clean):
+    """An index restored from a copy taken while a pass had pack N committed
+    and not yet named (its intent durable), mounted over a store where that
+    pass went on: N's chunks are named by the store's newest snapshot, and
+    pack N+1 holds newer data. The mount must not take N for a leftover of
+    its own: it publishes no snapshot below the store's newest, deletes no
+    pack and overwrites none (the whole store stays byte for byte), and
+    recover of the store still gives the newer state. fsck names both
+    counters (exit 4); after --repair raises them, the mount's own snapshot
+    is the newest and N goes like any leftover."""
+    marker = tmp_path / "paused"
+    monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"pack-written:{marker}")
+    # Not over itself: the index is copied while mounted.
+    m = make_mount(options=["pmem_size=128M", "hot_versions=0"], over_itself=False)
+    monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
+    state = m.source / ".ckptfs"
+    old = write_version(m.path, 1, size=2 * MiB)
+    proc = subprocess.Popen([sys.executable, "-m", "ckptfs.cli", "tier", str(m.path), "--now"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=Path(__file__).resolve().parents[2])
+    try:
+        wait_until(marker.exists, 120, "the mover never committed a pack")
+        _copy_index(state / "index", tmp_path / "index.old")
+    finally:
+        marker.unlink(missing_ok=True)          # the pass goes on: N named, a snapshot
+        assert proc.wait(timeout=120) == 0
+    newer = dict(old, **write_version(m.path, 2, size=2 * MiB))
+    tier_now(m)                                 # pack N+1, another snapshot
+    m.umount()
+    before = _store_state(state / "store")
+    shutil.rmtree(state / "index")
+    shutil.copytree(tmp_path / "index.old", state / "index")
+    named, intents, blobs, temps, _ = store_packs(m)
+    (leftover,) = intents
+    assert len(blobs - named) >= 2, "pack N and N+1 are not in the store"
+    res = m.fsck()
+    assert res.returncode == 4, res.stdout + res.stderr
+    assert "next_head is" in res.stdout and "next_pack is" in res.stdout, res.stdout
+
+    m.start()                                   # the old index over the newer store
+    wait_until(lambda: "no pack is written" in str(m.stat()["tier_last_error"]), 60,
+               "the mover went on writing packs")
+    assert "could not remove packs left by an interrupted tiering pass" in \
+        (state / "daemon.log").read_text()
+    stat = m.stat()
+    assert stat["tier_leftover_packs"] == 1 and stat["snapshot_seq"] is None, stat
+    verify(m.path, old)
+    m.umount()
+    assert "no snapshot published at unmount" in (state / "daemon.log").read_text()
+    assert _store_state(state / "store") == before, "the store changed under an old index"
+
+    copy = tmp_path / "copy"                    # recover of that store: the newer state
+    shutil.copytree(m.source, copy, ignore=shutil.ignore_patterns("index", "pmem.log"))
+    res = run_ckptfs("recover", str(copy), check=False, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    c = make_mount(source=copy, options=["pmem_size=64M"])
+    verify(c.path, newer)
+    c.umount()
+
+    res = m.fsck("--repair")                    # the operator keeps the old index
+    assert res.returncode == 3 and "published snapshot" in res.stdout, res.stdout
+    m.start()
+    wait_until(lambda: m.stat()["tier_leftover_packs"] == 0, 60, "the leftover stayed")
+    verify(m.path, old)
+    m.umount()
+    named, intents, blobs, temps, _ = store_packs(m)
+    assert blobs <= named and not intents and not temps, (blobs - named, intents, temps)
+    check_clean(fsck_clean, m)
+
+
+def test_a_pack_name_the_store_holds_is_never_written_over(make_mount, fsck_clean):
+    """Pack numbers come from a never-reused counter, so a blob already under
+    the next pack's name (another filesystem's, or a newer state's than this
+    index knows) means the index is behind the store: the mover refuses to
+    write, the blob stays as it is, hot data reads on; fsck names the counter
+    (exit 4) and --repair raises it, after which tiering works again."""
+    from ckptfs import index as ix
+    from ckptfs.packs import pack_name
+    m = make_mount(options=["pmem_size=128M", "hot_versions=0"])
+    files = write_version(m.path, 1, size=2 * MiB)
+    m.umount()
+    idx = ix.Index(str(m.source / ".ckptfs" / "index"))
+    try:
+        next_pack = idx.counters[b"next_pack"]
+    finally:
+        idx.close()
+    foreign = m.source / ".ckptfs" / "store" / pack_name(next_pack)
+    foreign.parent.mkdir(parents=True, exist_ok=True)
+    foreign.write_bytes(b"a pack this index never wrote" * 1000)
+    before = foreign.read_bytes()
+    res = m.fsck()
+    assert res.returncode == 4 and f"next_pack is {next_pack}" in res.stdout, res.stdout
+    m.start()
+    res = run_ckptfs("tier", str(m.path), "--now", check=False, timeout=600)
+    assert res.returncode == 1 and "is in the store already" in res.stderr, res.stderr
+    assert "is in the store already" in m.stat()["tier_last_error"]
+    verify(m.path, files)
+    m.umount()
+    assert foreign.read_bytes() == before
+    res = m.fsck("--repair")
+    assert res.returncode == 3, res.stdout
+    assert not foreign.exists()                 # named by nothing: gone after a snapshot
+    m.start()
+    tier_now(m)
+    assert m.stat()["cold_bytes"] > 0
+    m.remount()
+    verify(m.path, files)
+    check_clean(fsck_clean, m)
+
+
 def test_gc_deletes_dead_packs_and_old_snapshots(make_mount, tmp_path, fsck_clean):
     store = tmp_path / "gcstore"
     m = make_mount(options=["pmem_size=128M", f"backing={store}"])
