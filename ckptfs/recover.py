@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import posixpath
 import shutil
 import stat
 import sys
@@ -205,22 +204,25 @@ def _move_into_place(tmp: str, opts) -> None:
 
 
 def _read_packs(backend: Backend, out) -> tuple[dict[bytes, tuple[int, packs.PackEntry]],
-                                                dict[int, int]]:
-    """Where every chunk is, from the pack trailers; a damaged pack is named."""
+                                                dict[int, Optional[int]]]:
+    """Where every chunk is, from the pack trailers; a damaged pack is named.
+    Sizes of the readable packs; a damaged one's number maps to None (its
+    name stays taken: the pack counter must pass it too)."""
     where: dict[bytes, tuple[int, packs.PackEntry]] = {}
-    sizes: dict[int, int] = {}
+    sizes: dict[int, Optional[int]] = {}
     names = backend.list(packs.PACK_PREFIX)
     for name in tqdm(names, desc="reading packs", unit="pack", disable=not sys.stderr.isatty(),
                      file=sys.stderr):
-        base = posixpath.basename(name)
+        pack_no = packs.pack_number(name)
         try:
-            pack_no = int(base[:-len(packs.PACK_SUFFIX)], 16)
-            if not base.endswith(packs.PACK_SUFFIX) or packs.pack_name(pack_no) != name:
+            if pack_no is None:
                 raise ValueError("not a pack name")
             size = backend.size(name)
             entries = packs.read_pack_index(backend, name, size)
         except (ValueError, CkptfsError) as e:
             print(f"skipping pack {name}: {e}", file=out)
+            if pack_no is not None:
+                sizes[pack_no] = None
             continue
         sizes[pack_no] = size
         for entry in entries:
@@ -383,8 +385,8 @@ class Builder:
         self.links[old_ino] = (ino, sf.fragment(sf.encode_attrs(attrs)))
         self.report.nodes += 1
 
-    def finish(self, backend: Backend, pack_sizes: dict[int, int], head_seqs: list[int]
-               ) -> None:
+    def finish(self, backend: Backend, pack_sizes: dict[int, Optional[int]],
+               head_seqs: list[int]) -> None:
         """Counters (never below what the store already used), the store, clean."""
         self.counters[b"next_pack"] = max([self.counters[b"next_pack"],
                                            *(n + 1 for n in pack_sizes)])
@@ -398,6 +400,8 @@ class Builder:
             # pack, after publishing a snapshot (until then `--head` can still
             # restore an older snapshot that uses them).
             for pack_no, size in pack_sizes.items():
+                if size is None:
+                    continue            # damaged: fsck names it, gc or --repair deletes it
                 pack = ix.get_pack(txn, pack_no) or ix.PackInfo(pack_no, 0, 0, 0)
                 pack.size_bytes = size
                 ix.put_pack(txn, pack)

@@ -13,7 +13,9 @@ it uses at the start: an allocation anywhere near what a bomb claims fails
 the test, as does any exception other than BlobDamaged / FormatError (from
 the index) or DamagedData (from a read).
 
-The same family through a real mount: `test_damaged_packs_through_fsck_and_reads`.
+The same family through a real mount: `test_damaged_packs_through_fsck_and_reads`;
+and through `ckptfs recover`, which rebuilds an index from the pack trailers
+alone: `test_recover_names_what_damaged_packs_cost_and_nothing_more`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import multiprocessing
 import os
 import random
 import resource
+import shutil
 import struct
 import traceback
 from pathlib import Path
@@ -393,3 +396,84 @@ def test_damaged_packs_through_fsck_and_reads(make_mount, seed):
     pack_path.write_bytes(pristine)
     res = m.fsck()
     assert res.returncode == 0, res.stdout
+
+
+def _liar(rng: random.Random, pack: bytes) -> bytes:
+    """A pack that lists the chunk ids of `pack` over other bytes, every CRC
+    right: only the BLAKE3 check of a read can tell."""
+    body, entries, _ = split(pack)
+    return forge([(e[0], codec.CODEC_RAW, 0, rng.randbytes(e[3]), e[3]) for e in entries])
+
+
+def test_recover_names_what_damaged_packs_cost_and_nothing_more(make_mount, tmp_path):
+    """`ckptfs recover` over a store one of whose packs is damaged in each
+    generated way, or that holds a crafted pack listing another pack's chunk
+    ids over other bytes: no traceback, exit 4; a pack whose trailer is
+    unusable is named and skipped, and so are the files only it held (`not
+    recovered`); every other file comes back exactly, or gives EIO where a
+    payload behind an intact trailer is bad (never wrong bytes); fsck then
+    names what is left (exit 4), and the pack counter is above every pack
+    name in the store, readable or not (the mover never writes over one)."""
+    from ckptfs import index as ix
+    from ckptfs.packs import pack_number
+    rng = random.Random(13)
+    m = make_mount(options=["pmem_size=128M", "hot_versions=1"])
+    files = {f"c{i}.bin": b"".join(sample_chunks(20 + i)[:5]) for i in range(3)}
+    for name, data in files.items():           # one pack per file
+        write_file(m.path / name, data)
+        run_ckptfs("tier", str(m.path), "--now", "--all", timeout=600)
+    m.umount()
+    state = m.source / ".ckptfs"
+    idx = ix.Index(str(state / "index"))
+    try:
+        pack_of = {}
+        for name in files:
+            ino = ix.dirent_decode(idx.get("dirents", ix.dirent_key(ix.ROOT_INO,
+                                                                    name.encode())))[0]
+            (pack_of[name],) = {pack_name(ix.get_chunk(idx, e.chunk_no).pack_no)
+                                for e in ix.iter_extents(idx, ino)}
+    finally:
+        idx.close()
+    assert len(set(pack_of.values())) == 3, pack_of
+    victim = pack_of["c2.bin"]                 # the highest pack number
+    assert pack_number(victim) == max(map(pack_number, pack_of.values()))
+    shutil.copytree(state / "store", tmp_path / "store.pristine")
+    pristine = (state / "store" / victim).read_bytes()
+    liar_name = pack_name(0x100)               # packs/00/...: listed before c1.bin's pack
+    assert liar_name < pack_of["c1.bin"]
+    damaged = [_damage(rng, pristine, kind) + (victim,) for kind in DAMAGE_KINDS]
+    damaged.append(("a pack listing c1.bin's chunk ids over other bytes",
+                    _liar(rng, (state / "store" / pack_of["c1.bin"]).read_bytes()), liar_name))
+    for what, blob, where in damaged:
+        shutil.rmtree(state / "store")
+        shutil.copytree(tmp_path / "store.pristine", state / "store")
+        shutil.rmtree(state / "index", ignore_errors=True)
+        (state / "pmem.log").unlink(missing_ok=True)
+        (state / "store" / where).parent.mkdir(parents=True, exist_ok=True)
+        (state / "store" / where).write_bytes(blob)
+        res = run_ckptfs("recover", str(m.source), check=False, timeout=600)
+        out = res.stdout + res.stderr
+        assert "Traceback" not in out and res.returncode in (0, 4), f"{what}:\n{out}"
+        skipped = f"skipping pack {where}" in res.stdout
+        lost = {n for n in files if f"not recovered: {n}" in res.stdout}
+        assert lost == ({n for n, p in pack_of.items() if p == where} if skipped else set()), \
+            f"{what}:\n{out}"
+        m.start()
+        eio = set()
+        for name, data in files.items():
+            if name in lost:
+                assert not (m.path / name).exists(), f"{what}: {name} came back"
+                continue
+            try:
+                got = read_file(m.path / name)
+            except OSError as e:
+                assert e.errno == 5, f"{what}: {name} gave {e!r}"
+                eio.add(name)
+                continue
+            assert got == data, f"{what}: {name} read back wrong bytes"
+        assert eio <= {"c2.bin", "c1.bin"} and (skipped or eio), f"{what}: {eio}, {out}"
+        m.umount()
+        res = m.fsck()
+        out = res.stdout + res.stderr
+        assert "Traceback" not in out and res.returncode == 4, f"{what}:\n{out}"
+        assert "next_pack" not in res.stdout, f"{what}:\n{out}"
