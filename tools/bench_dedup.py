@@ -60,7 +60,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -72,8 +71,9 @@ TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(TOOLS))
-from bench_foundation import force_unmount, is_mounted, loadavg, log, stop_pid  # noqa: E402
+from benchlib import ENV, loadavg, log, run, run_group  # noqa: E402
 from chunk_sizes import tensor_ranges  # noqa: E402
+from mounting import Mount, MountError, is_mounted  # noqa: E402
 
 from ckptfs.chunker import chunk_id  # noqa: E402
 from ckptfs.formats import tf_bundle_index  # noqa: E402
@@ -83,8 +83,6 @@ FRAMEWORK_GENERATOR = TOOLS / "make_framework_series.py"
 # Frozen-layer fine-tunes saved by the other frameworks (make_framework_series.py).
 FRAMEWORKS = ["tf", "orbax-ocdbt", "orbax-zarr", "deepspeed", "megatron"]
 FRAMEWORK_SLACK = 1.05
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
-    [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
 CKPTFS = [sys.executable, "-m", "ckptfs.cli"]
 MB = 1_000_000
 ALL = ["pretrain", "pretrain-bf16", "frozen", "lora", "embed", "dcp"]
@@ -96,46 +94,6 @@ SIZES = {  # generator sizes: full / --quick
     "full": dict(layers=8, d_model=512, vocab=8192, versions=6, steps=2),
     "quick": dict(layers=4, d_model=256, vocab=4096, versions=3, steps=1),
 }
-
-
-def run(cmd: list[str], timeout: float, cwd: Optional[Path] = None,
-        env: Optional[dict] = None, check: bool = True) -> subprocess.CompletedProcess:
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                         cwd=cwd or REPO, env=env or ENV)
-    if check and res.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, cmd))} exited {res.returncode}: "
-                           f"{(res.stderr or res.stdout).strip()[-2000:]}")
-    return res
-
-
-def run_group(cmd: list[str], timeout: float) -> str:
-    """Run cmd in a session of its own (the generator spawns DCP ranks); on a
-    timeout kill that whole process group, not only the child."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=REPO, env=ENV, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, cmd))} exited {proc.returncode}: "
-                           f"{out.strip()[-3000:]}")
-    return out
-
-
-def fuse_connection(path: Path) -> Optional[str]:
-    """The fusectl connection number of the mount at path (from mountinfo, no stat
-    of the mount itself, which could hang)."""
-    want = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4].encode().decode("unicode_escape") == want:
-                return fields[2].split(":")[1]
-    return None
 
 
 def files_bytes(path: Path) -> int:
@@ -154,7 +112,7 @@ def files_bytes(path: Path) -> int:
 # ------------------------------------------------------------------------- ckptfs
 
 
-class Mount:
+class BenchMount:
     """A fresh ckptfs over DIR (SOURCE == MOUNTPOINT) with its log in DIR.pmem."""
 
     dedup_known: Optional[bool] = None     # does this build know -o dedup=?
@@ -164,71 +122,59 @@ class Mount:
         self.pmem = root / f"{name}.pmem"
         self.dedup = dedup
         self.pmem_size = pmem_size
-        self.pid: Optional[int] = None
         self.options = ""
+        self.mounted = Mount(self.dir, self.dir, command=CKPTFS + ["mount"])
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.mounted.pid
 
     def mount(self) -> None:
         self.dir.mkdir(parents=True)
-        base = f"pmem={self.pmem},pmem_size={self.pmem_size}"
+        base = [f"pmem={self.pmem}", f"pmem_size={self.pmem_size}"]
         # Tiering off: this measures dedup alone (tiering would compress cold
         # versions and compete for the CPU while the frameworks save).
-        with_dedup = f"{base},dedup={self.dedup},tiering=off"
-        if Mount.dedup_known is not False:
-            res = run(CKPTFS + ["mount", str(self.dir), str(self.dir), "-o", with_dedup],
-                      timeout=300, check=False)
-            if res.returncode == 0:
-                Mount.dedup_known = True
-                self.options = with_dedup
-            elif res.returncode == 2 and "dedup" in res.stderr:
-                Mount.dedup_known = False
-                log(f"NOTE: this ckptfs build rejects -o dedup=...: {res.stderr.strip()}")
+        with_dedup = base + [f"dedup={self.dedup}", "tiering=off"]
+        if BenchMount.dedup_known is not False:
+            self.mounted.options = with_dedup
+            try:
+                self.mounted.start(timeout_s=300)
+                BenchMount.dedup_known = True
+            except MountError as e:
+                if e.returncode != 2 or "dedup" not in e.stderr:
+                    raise RuntimeError(f"mount {self.dir} -o {','.join(with_dedup)} exited "
+                                       f"{e.returncode}: {e.stderr.strip()}") from None
+                BenchMount.dedup_known = False
+                log(f"NOTE: this ckptfs build rejects -o dedup=...: {e.stderr.strip()}")
                 log("      mounting without it (both ckptfs columns are the same filesystem)")
-            else:
-                raise RuntimeError(f"mount {self.dir} -o {with_dedup} exited "
-                                   f"{res.returncode}: {res.stderr.strip()}")
-        if Mount.dedup_known is False:
-            run(CKPTFS + ["mount", str(self.dir), str(self.dir), "-o", base], timeout=300)
-            self.options = base
-        if not is_mounted(self.dir):
-            raise RuntimeError(f"mount of {self.dir} returned 0 but nothing is mounted")
-        self.pid = int(self.stats()["pid"])
+        if BenchMount.dedup_known is False:
+            self.mounted.options = base
+            self.mounted.start(timeout_s=300)
+        self.options = ",".join(self.mounted.options)
 
     def stats(self) -> dict:
-        return json.loads(run(CKPTFS + ["stat", str(self.dir), "--json"], timeout=60).stdout)
+        return self.mounted.stat()
 
     def sync(self) -> None:
-        run(CKPTFS + ["sync", str(self.dir)], timeout=600)
+        self.mounted.sync(timeout_s=600)
 
     def umount(self) -> None:
         if is_mounted(self.dir):
-            run(CKPTFS + ["umount", str(self.dir), "--timeout", "600"], timeout=660)
-        self.pid = None
+            self.mounted.umount(timeout_s=600)
 
     def fsck(self) -> str:
-        res = run(CKPTFS + ["fsck", str(self.dir), "--no-data", "-o", f"pmem={self.pmem}"],
-                  timeout=600, check=False)
+        res = self.mounted.fsck("--no-data", "-o", f"pmem={self.pmem}")
         return f"exit {res.returncode}" + ("" if res.returncode == 0 else
                                            f": {(res.stdout + res.stderr).strip()[-500:]}")
 
     def cleanup(self) -> None:
         """Emergency: nothing of ours may stay mounted or running."""
-        pid = self.pid
         if is_mounted(self.dir):
             with contextlib.suppress(Exception):
-                run(CKPTFS + ["umount", str(self.dir), "--timeout", "60"], timeout=90)
-        if is_mounted(self.dir):
-            # Abort this mount's FUSE connection (only ours), so nothing stays
-            # blocked in it, then detach it.
-            conn = fuse_connection(self.dir)
-            if conn is not None:
-                with contextlib.suppress(OSError):
-                    Path(f"/sys/fs/fuse/connections/{conn}/abort").write_text("1\n")
-            force_unmount(self.dir)
-        if pid is None:
-            with contextlib.suppress(OSError, ValueError):
-                pid = int((self.dir / ".ckptfs" / "lock").read_text().split()[0])
-        stop_pid(pid)
-        self.pid = None
+                self.mounted.umount(timeout_s=60)
+        # Still mounted: abort this mount's FUSE connection (only ours), so nothing
+        # stays blocked in it, detach it, stop the daemon.
+        self.mounted.cleanup(abort=True)
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -497,8 +443,8 @@ def run_scenario(args: argparse.Namespace, scenario: str, sizes: dict) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     rec: dict = {"scenario": scenario, "notes": []}
-    on = Mount(work, "ckptfs-on", "on", args.pmem_size)
-    off = Mount(work, "ckptfs-off", "off", args.pmem_size)
+    on = BenchMount(work, "ckptfs-on", "on", args.pmem_size)
+    off = BenchMount(work, "ckptfs-off", "off", args.pmem_size)
     plain_root = work / "plain"
     plain_root.mkdir()
     try:
@@ -759,10 +705,10 @@ def main() -> int:
             continue
         rec["loadavg"] = [load0, loadavg()]
         out["scenarios"][scenario] = rec
-        checks.extend(report(rec, Mount.dedup_known))
+        checks.extend(report(rec, BenchMount.dedup_known))
         if args.json:
             args.json.write_text(json.dumps(out, indent=1) + "\n")
-    out["dedup_option_known"] = Mount.dedup_known
+    out["dedup_option_known"] = BenchMount.dedup_known
     out["seconds"] = time.perf_counter() - t_start
     print()
     print(f"### Targets ({out['seconds'] / 60:.1f} min)")
@@ -771,7 +717,7 @@ def main() -> int:
     print("| --- | --- | --- |")
     for s, what, v in checks:
         print(f"| {s} | {what} | {v} |")
-    if Mount.dedup_known is False:
+    if BenchMount.dedup_known is False:
         print()
         print("This build does not know -o dedup=: ckptfs stored == logical is expected.")
     if args.json:

@@ -89,11 +89,8 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from ckptfs.proc import stop_process  # noqa: E402
-MOUNT_CKPTFS = [sys.executable, str(REPO / "mount.ckptfs")]
-CKPTFS = [sys.executable, "-m", "ckptfs.cli"]
+from benchlib import drop_caches, loadavg, log, stop_pid
+from mounting import REPO, Mount, force_unmount, is_mounted, mount_device, mounted_paths
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 MB = 1_000_000                # throughput is reported in MB/s (10^6 bytes)
@@ -162,33 +159,6 @@ RSS_LIMIT_MB = 300.0
 
 # ------------------------------------------------------------------ system helpers
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def mounted_paths() -> set[str]:
-    out = set()
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            out.add(line.split()[4].encode().decode("unicode_escape"))
-    return out
-
-
-def is_mounted(path: Path) -> bool:
-    return os.path.realpath(path) in mounted_paths()
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
-def loadavg() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
-
-
 def proc_status_kb(pid: int, field: str) -> Optional[int]:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -217,19 +187,6 @@ def daemon_cpu_s(pid: Optional[int]) -> Optional[tuple[float, float]]:
         fields = raw[raw.rindex(")") + 2:].split()
         out.append((int(fields[11]) + int(fields[12])) / tick)
     return out[0], out[1]
-
-
-def stop_pid(pid: Optional[int]) -> None:
-    """SIGTERM, then SIGKILL: only for processes this script started."""
-    if pid is not None:
-        stop_process(pid)
-
-
-def force_unmount(path: Path) -> None:
-    for cmd in (["fusermount3", "-u", "-z"], ["fusermount", "-u", "-z"], ["umount", "-l"]):
-        if not is_mounted(path):
-            return
-        subprocess.run(cmd + [str(path)], capture_output=True)
 
 
 def run(cmd: list[str], timeout: float = 600) -> str:
@@ -420,14 +377,10 @@ class MinfsTarget(Target):
 
 def set_read_ahead(mountpoint: Path, kb: int) -> None:
     """The read-ahead of a FUSE mount, as ckptfs sets its own (best effort)."""
-    target = os.path.realpath(mountpoint)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == target:
-                with contextlib.suppress(OSError):
-                    Path(f"/sys/class/bdi/{fields[2]}/read_ahead_kb").write_text(str(kb))
-                return
+    dev = mount_device(mountpoint)
+    if dev is not None:
+        with contextlib.suppress(OSError):
+            Path(f"/sys/class/bdi/{dev}/read_ahead_kb").write_text(str(kb))
 
 
 class CkptfsTarget(Target):
@@ -439,29 +392,29 @@ class CkptfsTarget(Target):
         self.dedup = dedup
         self.name = f"ckptfs-{sync}" if dedup else "ckptfs-nodedup"
         self.pmem_size = pmem_size
+        self.mount: Optional[Mount] = None
 
     def prepare(self, tag: str) -> Path:
         self.workdir = self.root / f"{self.name}-{tag}"
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.workdir.mkdir(parents=True)
+        self.mount = Mount(self.workdir, self.workdir,
+                           [f"pmem_size={self.pmem_size}", f"sync={self.sync}"]
+                           + ([] if self.dedup else ["dedup=off"]))
         self._mount()
         return self.workdir
 
     def _mount(self) -> None:
-        run(MOUNT_CKPTFS + [str(self.workdir), str(self.workdir), "-o",
-                            f"pmem_size={self.pmem_size},sync={self.sync}"
-                            + ("" if self.dedup else ",dedup=off")], timeout=300)
-        if not is_mounted(self.workdir):
-            raise RuntimeError("mount.ckptfs returned 0 but nothing is mounted")
-        self.pid = int(self.daemon_stats()["pid"])
+        self.mount.start(timeout_s=300)
+        self.pid = self.mount.pid
 
     def _unmount(self) -> None:
-        if self.workdir is not None and is_mounted(self.workdir):
-            run(CKPTFS + ["umount", str(self.workdir)], timeout=600)
+        if self.mount is not None and is_mounted(self.mount.path):
+            self.mount.umount()
         self.pid = None
 
     def daemon_stats(self) -> dict:
-        return json.loads(run(CKPTFS + ["stat", str(self.workdir), "--json"]))
+        return self.mount.stat()
 
     def finish(self) -> None:
         self._unmount()
@@ -470,15 +423,9 @@ class CkptfsTarget(Target):
             self.workdir = None
 
     def cleanup(self) -> None:
-        pid = self.pid
-        if self.workdir is not None:
-            force_unmount(self.workdir)
-            if pid is None:
-                # Mounted but never asked for its pid: the daemon writes it in its
-                # lock file, visible again now that the mount is detached.
-                with contextlib.suppress(OSError, ValueError):
-                    pid = int((self.workdir / ".ckptfs" / "lock").read_text().split()[0])
-        stop_pid(pid)
+        if self.mount is not None:
+            self.mount.cleanup()        # lazy unmount, then the daemon stopped
+        self.pid = None
 
 
 # --------------------------------------------------------------------------- data
@@ -915,7 +862,7 @@ class Bench:
         buf = bytearray(MiB)
         for label in ("tier_hot_read", "tier_cold_read"):
             if label == "tier_cold_read":
-                run(CKPTFS + ["tier", str(t.workdir), "--now", "--all"], timeout=1200)
+                t.mount.tier_now("--all", timeout_s=1200)
             t.remount()
             fd = os.open(path, os.O_RDONLY)
             with self.timed(t, label, d):

@@ -219,8 +219,8 @@ if __name__ == "__main__" and sys.argv[1:2] in (["--_load"], ["--_save"]):
 
 # ------------------------------------------------------------------- helpers
 
-from bench_dedup import fuse_connection, run, run_group  # noqa: E402
-from bench_foundation import force_unmount, is_mounted, loadavg, log, mounted_paths, stop_pid  # noqa: E402
+from benchlib import loadavg, log, run, run_group  # noqa: E402
+from mounting import Mount, is_mounted, mount_device, mounted_paths  # noqa: E402
 
 try:
     import bench_compress  # tools/bench_compress.py: zstd -3, zipnn, ckptfs codec per file
@@ -277,7 +277,7 @@ def load(kind: str, paths: list[Path], timeout: float) -> dict:
 # -------------------------------------------------------------------- ckptfs
 
 
-class Mount:
+class BenchMount:
     """A fresh ckptfs: NAME.src (state, log), NAME.mnt, NAME.store (backing) under root."""
 
     def __init__(self, root: Path, name: str, pmem_size: int, extra: str = "") -> None:
@@ -287,32 +287,29 @@ class Mount:
         self.store = root / f"{name}.store"
         self.pmem_size = pmem_size
         self.options = f"pmem_size={pmem_size // MiB}M,backing={self.store}" + extra
-        self.pid: Optional[int] = None
-        self.mounts = 0
+        self.mounted = Mount(self.src, self.mnt, self.options.split(","),
+                             command=CKPTFS + ["mount"])
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.mounted.pid
+
+    @property
+    def mounts(self) -> int:
+        return self.mounted.mounts
 
     def mount(self) -> None:
         self.src.mkdir(parents=True, exist_ok=True)
         self.mnt.mkdir(parents=True, exist_ok=True)
-        run(CKPTFS + ["mount", str(self.src), str(self.mnt), "-o", self.options], timeout=300)
-        if not is_mounted(self.mnt):
-            raise RuntimeError(f"mount of {self.mnt} returned 0 but nothing is mounted")
-        self.mounts += 1
-        self.pid = int(self.stats()["pid"])
+        self.mounted.start(timeout_s=300)
 
     def stats(self) -> dict:
-        return json.loads(run(CKPTFS + ["stat", str(self.mnt), "--json"], timeout=60).stdout)
+        return self.mounted.stat()
 
     def read_ahead_kb(self) -> Optional[int]:
         """The kernel's read-ahead for this mount (the daemon raises it after mounting)."""
-        want = os.path.realpath(self.mnt)
-        dev = None
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                if fields[4].encode().decode("unicode_escape") == want:
-                    dev = fields[2]
         try:
-            return int(Path(f"/sys/class/bdi/{dev}/read_ahead_kb").read_text())
+            return int(Path(f"/sys/class/bdi/{mount_device(self.mnt)}/read_ahead_kb").read_text())
         except (OSError, ValueError):
             return None
 
@@ -327,8 +324,7 @@ class Mount:
 
     def umount(self) -> None:
         if is_mounted(self.mnt):
-            run(CKPTFS + ["umount", str(self.mnt), "--timeout", "600"], timeout=660)
-        self.pid = None
+            self.mounted.umount(timeout_s=600)
 
     def remount(self) -> None:
         self.umount()
@@ -336,37 +332,23 @@ class Mount:
 
     def tier_all(self, timeout: float) -> float:
         t0 = time.perf_counter()
-        run(CKPTFS + ["tier", str(self.mnt), "--now", "--all"], timeout=timeout)
+        self.mounted.tier_now("--all", timeout_s=timeout)
         return time.perf_counter() - t0
 
     def fsck(self, timeout: float) -> dict:
         t0 = time.perf_counter()
-        res = run(CKPTFS + ["fsck", str(self.src)], timeout=timeout, check=False)
+        res = self.mounted.fsck(timeout_s=timeout)
         return {"exit": res.returncode, "seconds": time.perf_counter() - t0,
                 "output": (res.stdout + res.stderr).strip()[-1500:]}
 
     def cleanup(self) -> None:
         """Emergency: nothing of ours may stay mounted or running."""
-        pid = self.pid
         if is_mounted(self.mnt):
             with contextlib.suppress(Exception):
-                run(CKPTFS + ["umount", str(self.mnt), "--timeout", "60"], timeout=90)
-        if is_mounted(self.mnt):
-            # Abort this mount's FUSE connection (only ours), then detach it.
-            conn = fuse_connection(self.mnt)
-            if conn is not None:
-                with contextlib.suppress(OSError):
-                    Path(f"/sys/fs/fuse/connections/{conn}/abort").write_text("1\n")
-            force_unmount(self.mnt)
-        if pid is None:
-            with contextlib.suppress(OSError, ValueError):
-                pid = int((self.src / ".ckptfs" / "lock").read_text().split()[0])
-        if pid is not None:
-            with contextlib.suppress(OSError):
-                # Only if it is still a ckptfs daemon (the lock may be stale).
-                if b"ckptfs" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    stop_pid(pid)
-        self.pid = None
+                self.mounted.umount(timeout_s=60)
+        # Still mounted: abort this mount's FUSE connection (only ours), detach
+        # it, stop the daemon (only if it is still a ckptfs daemon).
+        self.mounted.cleanup(abort=True)
 
     def remove(self) -> None:
         if is_mounted(self.mnt):
@@ -482,12 +464,12 @@ def compress_baselines(files: list[Path], use_zipnn: bool) -> dict[str, dict]:
 
 
 def run_group_mount(args: argparse.Namespace, work: Path, dtype: str, group: str,
-                    files: list[Path], reps: int, mounts: list[Mount]) -> dict:
+                    files: list[Path], reps: int, mounts: list[BenchMount]) -> dict:
     """One mount of parts (a)+(b): write, hot loads, tier all, cold loads, verify."""
     _, loader = GROUPS[group]
     nbytes = sum(p.stat().st_size for p in files)
     pmem = max(512 * MiB, -(-2 * nbytes // MiB) * MiB)
-    m = Mount(work, f"{dtype}-{group}", pmem, ",hot_versions=2")
+    m = BenchMount(work, f"{dtype}-{group}", pmem, ",hot_versions=2")
     mounts.append(m)
     rec: dict = {"files": [p.name for p in files], "bytes": nbytes, "options": m.options}
     m.mount()
@@ -523,7 +505,7 @@ def run_group_mount(args: argparse.Namespace, work: Path, dtype: str, group: str
 
 
 def part_ab(args: argparse.Namespace, work: Path, plain: Path, gen: dict, reps: int,
-            mounts: list[Mount]) -> dict:
+            mounts: list[BenchMount]) -> dict:
     out: dict = {}
     for dtype in args.dtypes:
         scenario = DTYPES[dtype]
@@ -565,7 +547,7 @@ def part_ab(args: argparse.Namespace, work: Path, plain: Path, gen: dict, reps: 
 
 
 def part_c(args: argparse.Namespace, work: Path, plain: Path, gen: dict, period: float,
-           mounts: list[Mount]) -> dict:
+           mounts: list[BenchMount]) -> dict:
     dtype = args.series_dtype
     scenario = DTYPES[dtype]
     tags = gen[dtype]["versions"]
@@ -575,7 +557,7 @@ def part_c(args: argparse.Namespace, work: Path, plain: Path, gen: dict, period:
                                (plain / scenario / f"{tag}.optim.pt", "optimizer.pt")]))
     total = sum(p.stat().st_size for _, files in versions for p, _ in files)
     pmem = -(-total // 4 // MiB) * MiB
-    m = Mount(work, "series", pmem, ",hot_versions=2")
+    m = BenchMount(work, "series", pmem, ",hot_versions=2")
     mounts.append(m)
     rec: dict = {"dtype": dtype, "versions": len(versions), "total_bytes": total,
                  "pmem_size": pmem, "period_s": period, "options": m.options, "error": None}
@@ -675,7 +657,7 @@ def save_stats(rec: dict, samples: list[dict]) -> None:
         rec["stall_s"] = rec["save_max_s"] - rec["save_median_s"]
 
 
-def daemon_log_tail(m: Mount, lines: int = 15) -> list[str]:
+def daemon_log_tail(m: BenchMount, lines: int = 15) -> list[str]:
     try:
         with open(m.src / ".ckptfs" / "daemon.log", errors="replace") as f:
             return f.read().splitlines()[-lines:]
@@ -975,7 +957,7 @@ def main() -> int:
         f"{shutil.disk_usage(args.dir).free / 2**30:.0f} GiB; load average {loadavg():.1f}")
     out: dict = {"environment": env, "sizes": sizes, "args": {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    mounts: list[Mount] = []
+    mounts: list[BenchMount] = []
     t_start = time.perf_counter()
     try:
         out["generator"] = generate(args, sizes, plain)

@@ -86,6 +86,16 @@ def is_mounted(path: os.PathLike | str) -> bool:
     return os.path.realpath(path) in mounted_paths()
 
 
+def mount_device(path: os.PathLike | str) -> Optional[str]:
+    """major:minor of the topmost mount at path (its /sys/class/bdi/ entry), if any."""
+    want = os.path.realpath(path)
+    found = None
+    for dev, point, _ in mount_table():
+        if point == want:
+            found = dev
+    return found
+
+
 def fuse_connection(path: os.PathLike | str) -> Optional[str]:
     """The fusectl connection number of the FUSE mount at path (its device minor)."""
     want = os.path.realpath(path)
@@ -202,12 +212,11 @@ class Mount:
         """`ckptfs tier --now [ARGS]`: returns when the pass is done."""
         run_ckptfs("tier", str(self.path), "--now", *args, timeout=timeout_s)
 
-    def umount(self, timeout_s: Optional[float] = None) -> None:
-        """`ckptfs umount`: returns once the daemon has committed and exited."""
-        args = ["umount", str(self.path)]
-        if timeout_s is not None:
-            args += ["--timeout", str(int(timeout_s))]
-        run_ckptfs(*args, timeout=(timeout_s or 60) + 60)
+    def umount(self, timeout_s: float = 600) -> None:
+        """`ckptfs umount --timeout T`: returns once the daemon has committed and
+        exited (600 s is the command's own default)."""
+        run_ckptfs("umount", str(self.path), "--timeout", f"{timeout_s:g}",
+                   timeout=timeout_s + 60)
         if is_mounted(self.path):
             raise MountError(0, f"{self.path} is still mounted after ckptfs umount",
                              what="umount")
