@@ -130,14 +130,14 @@ def _recover(opts, backend: Backend, out, want_head: Optional[int]) -> int:
         raise OperationFailed(f"the store {backend.url} holds no snapshot of filesystem "
                               f"{fs_uuid.hex()}: nothing to recover from")
     report = Report()
-    where, pack_sizes = _read_packs(backend, out)
+    where, more, pack_sizes = _read_packs(backend, out)
     st = os.stat(opts.source)
     index = Index(tmp)
     unusable: Optional[str] = None
     try:
         try:
             index.format(fs_uuid, time.time_ns(), st.st_uid, st.st_gid)
-            builder = Builder(index, where, report)
+            builder = Builder(index, where, report, backend, more)
             if seqs:
                 seq = want_head if want_head is not None else seqs[-1]
                 try:
@@ -203,12 +203,17 @@ def _move_into_place(tmp: str, opts) -> None:
         os.close(fd)
 
 
-def _read_packs(backend: Backend, out) -> tuple[dict[bytes, tuple[int, packs.PackEntry]],
+Copy = tuple[int, packs.PackEntry]          # a pack number and its trailer's entry
+
+
+def _read_packs(backend: Backend, out) -> tuple[dict[bytes, Copy], dict[bytes, list[Copy]],
                                                 dict[int, Optional[int]]]:
     """Where every chunk is, from the pack trailers; a damaged pack is named.
-    Sizes of the readable packs; a damaged one's number maps to None (its
-    name stays taken: the pack counter must pass it too)."""
-    where: dict[bytes, tuple[int, packs.PackEntry]] = {}
+    Returns the first pack listing each chunk id, the further ones for ids
+    several packs list, and the sizes of the readable packs (a damaged one's
+    number maps to None: its name stays taken, the pack counter passes it)."""
+    where: dict[bytes, Copy] = {}
+    more: dict[bytes, list[Copy]] = {}
     sizes: dict[int, Optional[int]] = {}
     names = backend.list(packs.PACK_PREFIX)
     for name in tqdm(names, desc="reading packs", unit="pack", disable=not sys.stderr.isatty(),
@@ -226,8 +231,11 @@ def _read_packs(backend: Backend, out) -> tuple[dict[bytes, tuple[int, packs.Pac
             continue
         sizes[pack_no] = size
         for entry in entries:
-            where.setdefault(entry.chunk_id, (pack_no, entry))
-    return where, sizes
+            if entry.chunk_id in where:
+                more.setdefault(entry.chunk_id, []).append((pack_no, entry))
+            else:
+                where[entry.chunk_id] = (pack_no, entry)
+    return where, more, sizes
 
 
 def _read_blob(backend: Backend, name: str, limit: int) -> bytes:
@@ -253,13 +261,48 @@ class Builder:
     `txn` is set by the caller to the open write transaction; ids come from the
     builder's own counters, written back by `finish`."""
 
-    def __init__(self, index: Index, where: dict, report: Report) -> None:
+    def __init__(self, index: Index, where: dict[bytes, Copy], report: Report,
+                 backend: Backend, more: Optional[dict[bytes, list[Copy]]] = None) -> None:
         self.index = index
         self.where = where
+        self.more = more or {}
+        self._chosen: dict[bytes, Copy] = {}
+        self.backend = backend
         self.report = report
         self.txn: Optional[DirectTxn] = None
         self.counters = {n: index.counters[n] for n in ix.ID_COUNTERS}
         self.links: dict[int, Union[tuple[int, bytes], str]] = {}   # old ino -> (new, key) | why
+
+    def _locate(self, cid: bytes) -> Optional[Copy]:
+        """The pack copy of chunk `cid` to restore from (None: no pack lists
+        it). When several packs list it (a pass interrupted and redone, a
+        crafted or damaged pack), the first whose bytes match the id, read and
+        decoded within the chunk limit; decided once per id. May block."""
+        first = self.where.get(cid)
+        others = self.more.get(cid)
+        if first is None or not others:
+            return first
+        if cid in self._chosen:
+            return self._chosen[cid]
+        chosen = next((c for c in (first, *others) if self._holds(cid, *c)), first)
+        if chosen is not first:
+            self.report.notes.append(
+                f"chunk {cid.hex()[:16]}..: {packs.pack_name(first[0])} lists it but does "
+                f"not hold its bytes (damaged or crafted); restored from "
+                f"{packs.pack_name(chosen[0])}")
+        self._chosen[cid] = chosen
+        return chosen
+
+    def _holds(self, cid: bytes, pack_no: int, e: packs.PackEntry) -> bool:
+        from .tier import ColdStore          # decoding only when ids are listed twice
+        try:
+            ColdStore(self.backend, 0).get(Chunk(
+                0, CHUNK_PACK, 1, e.length, pack_no=pack_no, pack_off=e.offset,
+                stored_length=e.stored_length, codec=e.codec, codec_param=e.param,
+                payload_crc=e.crc, chunk_id=cid))
+        except CkptfsError:
+            return False
+        return True
 
     def _next(self, name: bytes) -> int:
         self.counters[name] += 1
@@ -331,7 +374,7 @@ class Builder:
                 if x.chunk_id is None:
                     return ("not wholly in the store (bytes at offset "
                             f"{x.file_off} were still in the log or in SOURCE)")
-                found = self.where.get(x.chunk_id)
+                found = self._locate(x.chunk_id)
                 if found is None:
                     return f"chunk {x.chunk_id.hex()[:16]}.. at offset {x.file_off} is in no pack"
                 if x.chunk_off + x.length > found[1].length:
@@ -349,7 +392,7 @@ class Builder:
         for x in extents:
             chunk = ix.find_chunk(self.txn, x.chunk_id)
             if chunk is None:
-                pack_no, e = self.where[x.chunk_id]
+                pack_no, e = self._locate(x.chunk_id)
                 chunk = Chunk(self._next(b"next_chunk"), CHUNK_PACK, 1, e.length,
                               pack_no=pack_no, pack_off=e.offset, stored_length=e.stored_length,
                               codec=e.codec, codec_param=e.param, payload_crc=e.crc,
