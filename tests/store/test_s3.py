@@ -18,9 +18,11 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import botocore.session
 import pytest
@@ -479,6 +481,48 @@ def test_endpoint_down_at_mount_and_back(make_mount, rgw, bucket, s3_env, fsck_c
     verify(m.path, cold)
     tier_now(m, "--all")
     verify(m.path, hot)
+    check_clean(fsck_clean, m)
+
+
+def test_interrupted_pass_is_undone_by_the_next_mount(make_mount, rgw, bucket, s3_env,
+                                                     monkeypatch, tmp_path, fsck_clean):
+    """SIGKILL after a pack went up to the bucket and before the index named
+    it (the mover's debug hook stops it there): fsck notes the pack as a
+    leftover (exit 0); the next mount publishes a snapshot, then deletes it by
+    itself; every byte reads back and fsck is clean."""
+    url = f"s3://{bucket}/ckpt"
+    marker = tmp_path / "paused"
+    monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"pack-written:{marker}")
+    m = make_mount(options=["pmem_size=128M", "hot_versions=0", f"backing={url}"])
+    monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
+    files = write_version(m.path, 1, size=2 * MiB)
+    proc = subprocess.Popen([sys.executable, "-m", "ckptfs.cli", "tier", str(m.path), "--now"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert time.monotonic() < deadline, "the mover never committed a pack"
+            time.sleep(0.02)
+        m.kill()
+    finally:
+        proc.wait(timeout=60)
+    (leftover,) = objects(rgw, bucket, "ckpt/packs/")
+    res = m.fsck()
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"note: {leftover[len('ckpt/'):]} was left by an interrupted tiering pass" \
+        in res.stdout, res.stdout
+    m.start()
+    deadline = time.monotonic() + 60
+    while m.stat()["tier_leftover_packs"]:
+        assert time.monotonic() < deadline, "the leftover was never removed"
+        time.sleep(0.1)
+    assert m.stat()["snapshot_seq"] is not None        # published before it deleted
+    assert leftover not in objects(rgw, bucket, "ckpt/packs/")
+    verify(m.path, files)
+    m.umount()
+    res = m.fsck()
+    assert res.returncode == 0 and "note:" not in res.stdout, res.stdout
     check_clean(fsck_clean, m)
 
 
