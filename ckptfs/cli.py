@@ -3,14 +3,13 @@
 `main(argv)` and `mount_helper_main(argv)` can be called in-process by tests.
 Errors print one line, no traceback: a bad command line or option
 (UsageError) exits 2, a command that cannot be done (any other CkptfsError,
-OSError) exits 1. Exit codes live in `ExitCode` and are documented in the
+OSError) exits 1. Exit codes live in `errors.ExitCode` and are documented in the
 README's table.
 """
 
 from __future__ import annotations
 
 import argparse
-import enum
 import json
 import os
 import shutil
@@ -19,18 +18,11 @@ import sys
 from typing import Optional
 
 from . import control
-from .daemon import find_mount, mount
-from .errors import CkptfsError, OperationFailed, UsageError, one_line
+from .daemon import mount
+from .errors import CkptfsError, ExitCode, OperationFailed, UsageError, one_line
+from .mounts import find_mount
 from .options import options_help, parse_options
 from .proc import wait_exit
-
-
-class ExitCode(enum.IntEnum):
-    OK = 0                   # also: fsck found nothing wrong
-    FAILED = 1               # the operation could not be done (one line on stderr says why)
-    USAGE = 2                # bad command line or options
-    FSCK_REPAIRED = 3        # fsck found problems and repaired all of them
-    FSCK_UNCORRECTED = 4     # fsck found problems it left (or could not) repair
 
 
 MOUNT_DESCRIPTION = """Mount ckptfs with its state in SOURCE/.ckptfs (SOURCE may equal MOUNTPOINT:

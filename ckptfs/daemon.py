@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
-import fcntl
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -57,7 +55,11 @@ from .index import Index
 from .options import MountOptions, parse_options
 from .backing import is_url, open_backend
 from .backing.base import MARKER_NAME, Backend
+from .backing.fdroot import FdRootBackend
 from .backing.local import LocalBackend
+from .errors import ExitCode
+from .mounts import fsname_encode, mount_device
+from .statedir import backing_root, index_exists, lock_source, log_path, remember_log_path
 from .pmemlog import CREATING_SUFFIX, PmemLog
 
 log = logging.getLogger("ckptfs.daemon")
@@ -186,18 +188,6 @@ def open_state(opts: MountOptions, attempt: Optional[Attempt] = None) -> State:
     return State(opts, lock_fd, source_fd, index, plog, sources, backend, fs_uuid)
 
 
-def index_exists(index_dir: str) -> bool:
-    """A formatted index is at index_dir. An unformatted one (an older ckptfs's
-    first mount cut off between making and formatting it) holds nothing."""
-    if not os.path.exists(os.path.join(index_dir, "data.mdb")):
-        return False
-    index = Index(index_dir)
-    try:
-        return index.is_formatted()
-    finally:
-        index.close()
-
-
 def create_index(opts: MountOptions, source_fd: int, attempt: Attempt) -> None:
     """Format a new index and adopt SOURCE's tree into it. May block.
 
@@ -309,15 +299,14 @@ def open_backing(opts: MountOptions, index: Index, fs_uuid: bytes,
     elif os.path.realpath(root).startswith(mountpoint + os.sep):
         # Below the mount (the default, SOURCE/.ckptfs/store): once mounted, its
         # path would lead through this very daemon. A directory fd opened now
-        # reaches the real directory: /proc/self/fd/N jumps straight to it.
+        # reaches the real directory (FdRootBackend).
         try:
-            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            backend = FdRootBackend.open_dir(root, uuidlib.UUID(bytes=known))
         except OSError as e:
             log.error("backing store %s is missing (%s): tiering is off and cold data "
                       "reads give EIO until it is back and ckptfs is mounted again",
                       root, e.strerror)
             return None
-        backend = FdRootBackend(fd, root, uuidlib.UUID(bytes=known))
     else:
         backend = LocalBackend(root, uuidlib.UUID(bytes=known))
     try:
@@ -331,66 +320,6 @@ def open_backing(opts: MountOptions, index: Index, fs_uuid: bytes,
             attempt.notes.append(f"warning: {e}: mounted anyway; hot data works, tiering "
                                  "retries and cold reads give EIO until the store is back")
     return backend
-
-
-def log_path(opts: MountOptions, index: Index) -> str:
-    """pmem= if given, else the log this index was last mounted with, else the default."""
-    if opts.pmem:
-        return opts.pmem
-    remembered = ix.get_log_path(index)
-    if remembered:
-        return os.path.join(opts.state_dir, os.fsdecode(remembered))    # absolute stays
-    return opts.pmem_path
-
-
-def remember_log_path(index: Index, opts: MountOptions) -> None:
-    """Record the log's path in the index (relative when in the state directory, so
-    a moved SOURCE keeps finding its own log), for mounts and fsck without pmem=."""
-    path = os.path.abspath(opts.pmem_path)
-    inside = os.path.commonpath([path, os.path.abspath(opts.state_dir)]) == \
-        os.path.abspath(opts.state_dir)
-    stored = os.fsencode(os.path.relpath(path, opts.state_dir) if inside else path)
-    if ix.get_log_path(index) != stored:
-        index.write_direct(lambda txn: ix.set_log_path(txn, stored))
-
-
-def backing_root(opts: MountOptions, index: Index) -> str:
-    """backing= if given, else where the store was created, else the default."""
-    if opts.backing:
-        return opts.backing
-    remembered = ix.get_store_path(index)
-    return remembered.decode() if remembered else opts.backing_dir
-
-
-class FdRootBackend(LocalBackend):
-    """A LocalBackend whose root is a directory fd opened before the mount."""
-
-    def __init__(self, fd: int, shown_as: str, store_uuid: uuidlib.UUID) -> None:
-        super().__init__(f"/proc/self/fd/{fd}", store_uuid)
-        self.url = "file://" + shown_as
-        self._root_fd = fd
-
-    def close(self) -> None:
-        super().close()
-        if self._root_fd >= 0:
-            os.close(self._root_fd)
-            self._root_fd = -1
-
-
-def lock_source(state_dir: str) -> int:
-    """Hold SOURCE for this daemon: a second mount fails instead of corrupting."""
-    path = os.path.join(state_dir, "lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        os.close(fd)
-        raise OperationFailed(f"{os.path.dirname(state_dir)} is already mounted by ckptfs "
-                              f"(daemon pid {holder or 'unknown'}; unmount it first)") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 def _close_log_file() -> None:
@@ -467,17 +396,17 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
     except OSError as e:
         _report(ready_fd, f"ckptfs: cannot create the state directory {opts.state_dir}: "
                           f"{e.strerror}")
-        return 1
-    log_path = os.path.join(opts.state_dir, "daemon.log")
-    if ready_fd is not None and not os.path.exists(log_path):
-        attempt.made(log_path)
+        return ExitCode.FAILED
+    daemon_log = os.path.join(opts.state_dir, "daemon.log")
+    if ready_fd is not None and not os.path.exists(daemon_log):
+        attempt.made(daemon_log)
     setup_logging(opts, foreground=ready_fd is None)
     try:
         state = open_state(opts, attempt)
     except (CkptfsError, OSError) as e:
         log.error("%s", e)
         _report(ready_fd, f"ckptfs: {e}")
-        return 1
+        return ExitCode.FAILED
     fs = build_filesystem(state)
     metrics = metrics_server = None
     if opts.metrics_port is not None or opts.metrics_file:
@@ -510,7 +439,7 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
     except (CkptfsError, OSError) as e:
         log.error("%s", e)
         _report(ready_fd, f"ckptfs: {e}")
-        return 1
+        return ExitCode.FAILED
     finally:
         if metrics_server is not None:
             metrics_server.stop()
@@ -518,7 +447,7 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
             pyfuse3.close(unmount=True)
         state.close()
         log.info("unmounted %s", opts.mountpoint)
-    return 0
+    return ExitCode.OK
 
 
 async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
@@ -662,74 +591,6 @@ def _raise_read_ahead(mountpoint: str) -> None:
         time.sleep(1.0)
 
 
-def mount_device(mountpoint: str) -> Optional[str]:
-    """major:minor of the ckptfs mount at (resolved) mountpoint, from /proc/self/mountinfo."""
-    entry = find_mount(mountpoint, resolve=False)
-    return entry[0] if entry else None
-
-
-def find_mount(mountpoint: str, resolve: bool = True) -> Optional[tuple[str, str]]:
-    """(major:minor, source) of the topmost ckptfs mount at mountpoint, if any.
-
-    The daemon passes resolve=False: resolving its own mountpoint would be a
-    request to itself.
-    """
-    target = os.path.realpath(mountpoint) if resolve else mountpoint
-    found = None
-    for dev, point, source in ckptfs_mounts():
-        if point == target:
-            found = (dev, source)
-    return found
-
-
-def ckptfs_mounts() -> list[tuple[str, str, str]]:
-    """(major:minor, mountpoint, source) of every ckptfs mount, from /proc/self/mountinfo.
-
-    Paths come back as os.fsdecode gives them (what os.path.realpath returns),
-    the source decoded from the fsname the daemon gave it (`fsname_encode`).
-    """
-    mounts = []
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split()
-            sep = fields.index(b"-")
-            if fields[sep + 1] == b"fuse.ckptfs":
-                mounts.append((fields[2].decode(), os.fsdecode(_unescape(fields[4])),
-                               fsname_decode(_unescape(fields[sep + 2]).decode("ascii",
-                                                                              "replace"))))
-    return mounts
-
-
-_OCTAL = re.compile(rb"\\([0-7]{3})")
-
-
-def _unescape(field: bytes) -> bytes:
-    # mountinfo writes space, tab, newline and backslash as octal escapes.
-    return _OCTAL.sub(lambda m: bytes([int(m.group(1), 8)]), field)
-
-
-# Bytes of SOURCE that go into the fsname as they are; every other byte is
-# written %XX. The fsname travels through libfuse's comma-separated option
-# list (',' separates, '\\' escapes), pyfuse3 (ASCII only) and mount(2), and
-# shows in /proc/mounts, `df` and `findmnt`: with this alphabet nothing in a
-# path can split off a mount option, any path can be mounted, and common
-# paths read as themselves.
-_FSNAME_KEEP = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-                         b"/._-+~:@")
-_PERCENT = re.compile(rb"%([0-9A-Fa-f]{2})")
-
-
-def fsname_encode(source: str) -> str:
-    """The fsname a mount of SOURCE gets: printable ASCII, no ',' '\\' or blanks."""
-    return "".join(chr(b) if b in _FSNAME_KEEP else f"%{b:02X}" for b in os.fsencode(source))
-
-
-def fsname_decode(fsname: str) -> str:
-    """SOURCE back from fsname_encode's form (a path, as os.fsdecode gives it)."""
-    raw = _PERCENT.sub(lambda m: bytes([int(m.group(1), 16)]), fsname.encode("ascii", "replace"))
-    return os.fsdecode(raw)
-
-
 def _report(ready_fd: Optional[int], message: str) -> None:
     """The last word to the mount command: "OK", or why the mount failed."""
     message = one_line(message)
@@ -775,14 +636,14 @@ def mount(opts: MountOptions) -> int:
             line = ""
     if line == "OK":
         proc.stderr.close()
-        return 0
+        return ExitCode.OK
     _, err = proc.communicate()      # the daemon has removed what it made once it exited
     code = proc.returncode
     stderr = err.decode(errors="replace").strip().splitlines()
     message = line or (stderr[-1] if stderr else
                        f"ckptfs: daemon exited with code {code} before the mount was live")
     print(message if message.startswith("ckptfs:") else f"ckptfs: {message}", file=sys.stderr)
-    return 1
+    return ExitCode.FAILED
 
 
 # `python -m ckptfs.daemon` would put the current directory first on sys.path,
@@ -820,7 +681,7 @@ def _daemon_main(argv: Optional[list[str]] = None) -> int:
         opts = parse_options(args.source, args.mountpoint, args.options)
     except CkptfsError as e:
         _report(args.ready_fd, f"ckptfs: {e}")
-        return 1
+        return ExitCode.FAILED
     return serve(opts, args.ready_fd)
 
 

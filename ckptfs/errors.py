@@ -3,13 +3,24 @@
 Inner layers raise these with context; only `fuse_ops` turns them into
 `pyfuse3.FUSEError`, and only `cli` turns them into exit codes. Each class
 carries the errno that the adapter answers with, so the mapping lives in one
-place and reads like the POSIX rule it implements.
+place and reads like the POSIX rule it implements. `ExitCode` is every
+command's exit status (the README's table): the commands (`cli`, `daemon`,
+`fsck`, `recover`, `export`) return its members, never bare numbers.
 """
 
 from __future__ import annotations
 
+import enum
 import errno
 import re
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0                   # also: fsck found nothing wrong, recover restored everything
+    FAILED = 1               # the operation could not be done (one line on stderr says why)
+    USAGE = 2                # bad command line or options
+    REPAIRED = 3             # fsck found problems and repaired all of them
+    UNCORRECTED = 4          # fsck: problems left (or not repairable); recover: some left out
 
 
 class CkptfsError(Exception):

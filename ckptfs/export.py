@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import control
-from .daemon import ckptfs_mounts
-from .errors import CkptfsError, OperationFailed, UsageError
+from .mounts import ckptfs_mounts
+from .errors import CkptfsError, ExitCode, OperationFailed, UsageError
 
 COPY_CHUNK_BYTES = 8 << 20
 HOLE_BLOCK_BYTES = 4096         # zero blocks of this size (file-aligned) become holes
@@ -473,14 +473,14 @@ def run_export(path: str, dest: str, *, progress: Optional[bool] = None) -> int:
         raise
     except (OSError, CkptfsError) as e:
         print(f"ckptfs: export failed: {_describe(e)}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     for warning in result.warnings:
         print(f"ckptfs: export: {warning}", file=sys.stderr)
     if show:
         print(f"exported {result.files} files ({_human(result.bytes)}), {result.dirs} "
               f"directories, {result.symlinks} symlinks, {result.hardlinks} hard links "
               f"to {plan.target}", file=sys.stderr)
-    return 0
+    return ExitCode.OK
 
 
 def _describe(e: BaseException) -> str:

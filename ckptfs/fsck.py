@@ -10,7 +10,7 @@ fsck never calls clean what it did not check: the log is the one given with
 log while the index names hot chunks, or an unreachable backing store while
 it names cold ones, is a finding ("not checked: ...") and exit 4.
 
-Exit codes (cli.ExitCode): 0 clean, 3 problems found and all repaired,
+Exit codes (errors.ExitCode): 0 clean, 3 problems found and all repaired,
 4 problems left, 1 fsck could not run (the filesystem is mounted, SOURCE holds no
 ckptfs, the index cannot be opened).
 """
@@ -30,9 +30,9 @@ from typing import Callable, Iterable, Optional
 from tqdm import tqdm
 
 from . import index as ix
-from .daemon import backing_root, ckptfs_mounts, lock_source, log_path
-from .errors import (BackingReadOnly, BlobMissing, CkptfsError, DamagedData, FormatError,
-                     OperationFailed)
+from .errors import (BackingReadOnly, BlobMissing, CkptfsError, DamagedData, ExitCode,
+                     FormatError, OperationFailed)
+from .statedir import backing_root, lock_source, log_path, refuse_if_mounted
 from . import packs
 from .backing.base import Backend
 from .backing import open_backend
@@ -776,10 +776,7 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
     """`ckptfs fsck SOURCE`: returns the exit code (see module docstring)."""
     out = out or sys.stdout
     opts = parse_options(source, source, list(option_strings))
-    for _, point, mounted_source in ckptfs_mounts():
-        if mounted_source == os.path.realpath(opts.source):
-            raise OperationFailed(f"{opts.source} is mounted on {point}: unmount it first "
-                                  "(fsck checks an unmounted ckptfs)")
+    refuse_if_mounted(opts.source, " (fsck checks an unmounted ckptfs)")
     if not os.path.isdir(opts.index_dir):
         raise OperationFailed(f"{opts.source} holds no ckptfs (no {opts.index_dir})")
     lock_fd = lock_source(opts.state_dir)     # refuses while mounted
@@ -824,7 +821,7 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
             unread = "" if verify_data else "; data not read: --no-data"
             print(f"{opts.source}: clean ({len(checker.inodes)} inodes, "
                   f"{len(checker.chunks)} chunks{unread})", file=out)
-            return 0
+            return ExitCode.OK
         fixable = [f for f in checker.findings if f.repair is not None]
         if repair and fixable:
             index.write_direct(lambda txn: [f.repair(txn) for f in fixable])
@@ -833,10 +830,10 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
                 repaired -= _delete_after_snapshot(index, backend, fs_uuid,
                                                    checker.blobs_to_delete, out)
             print(f"repaired {repaired} of {len(checker.findings)} problems", file=out)
-            return 3 if repaired == len(checker.findings) else 4
+            return ExitCode.REPAIRED if repaired == len(checker.findings) else ExitCode.UNCORRECTED
         print(f"{len(checker.findings)} problems ({len(fixable)} repairable with --repair)",
               file=out)
-        return 4
+        return ExitCode.UNCORRECTED
     finally:
         if backend is not None:
             backend.close()

@@ -42,11 +42,11 @@ from . import packs
 from . import snapshot_format as sf
 from .backing import open_backend
 from .backing.base import Backend
-from .daemon import ckptfs_mounts, lock_source
-from .errors import BlobMissing, CkptfsError, OperationFailed
+from .errors import BlobMissing, CkptfsError, ExitCode, OperationFailed
 from .index import CHUNK_PACK, ROOT_INO, Chunk, DirectTxn, Extent, Index, Inode
 from .namespace import STATE_DIR_NAME, SYSTEM_PREFIX, XATTR_INODE_MAX_BYTES
 from .options import parse_options
+from .statedir import index_exists, lock_source, refuse_if_mounted
 
 log = logging.getLogger(__name__)
 
@@ -89,22 +89,14 @@ def run_recover(source: str, option_strings: Iterable[str], out=None,
     """Rebuild SOURCE's index from its backing store; returns the exit code."""
     out = out or sys.stdout
     opts = parse_options(source, source, list(option_strings))
-    for _, point, mounted_source in ckptfs_mounts():
-        if mounted_source == os.path.realpath(opts.source):
-            raise OperationFailed(f"{opts.source} is mounted on {point}: unmount it first")
+    refuse_if_mounted(opts.source)
     os.makedirs(opts.state_dir, mode=0o700, exist_ok=True)
     lock_fd = lock_source(opts.state_dir)
     try:
-        if os.path.exists(os.path.join(opts.index_dir, "data.mdb")):
-            probe = Index(opts.index_dir)
-            try:
-                formatted = probe.is_formatted()
-            finally:
-                probe.close()
-            if formatted:
-                raise OperationFailed(f"{opts.index_dir} holds an index: recover rebuilds a "
-                                      "lost one (move it aside first if it is damaged beyond "
-                                      "fsck)")
+        if index_exists(opts.index_dir):
+            raise OperationFailed(f"{opts.index_dir} holds an index: recover rebuilds a "
+                                  "lost one (move it aside first if it is damaged beyond "
+                                  "fsck)")
         backend = open_backend(opts.backing_dir, must_exist=True,   # the marker must be there
                                profile=opts.aws_profile)
         try:
@@ -169,7 +161,7 @@ def _recover(opts, backend: Backend, out, want_head: Optional[int]) -> int:
                   "--head SEQ` restores one of them (a state older than the newest "
                   "published)", file=out)
         print("no index was built", file=out)
-        return 4
+        return ExitCode.UNCORRECTED
     print(f"recovered {report.files} files ({report.bytes} bytes in {report.chunks} chunks), "
           f"{report.dirs} directories, {report.nodes} symlinks and other nodes, "
           f"{report.extra_links} further hard links from {backend.url}", file=out)
@@ -177,7 +169,7 @@ def _recover(opts, backend: Backend, out, want_head: Optional[int]) -> int:
         print(f"note: {note}", file=out)
     for why in report.skipped:
         print(f"not recovered: {why}", file=out)
-    return 0 if not report.skipped else 4
+    return ExitCode.OK if not report.skipped else ExitCode.UNCORRECTED
 
 
 def _seq_list(seqs: list[int]) -> str:

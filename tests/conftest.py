@@ -40,6 +40,7 @@ from typing import Optional
 
 import pytest
 
+from ckptfs.mounts import ckptfs_mounts  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))      # mounting.py, rgw.py: shared with the tools
 
@@ -129,8 +130,6 @@ def pytest_sessionfinish(session, exitstatus):
     if basetemp is None:
         return      # no tmp dir made, so nothing mounted
     base = os.path.realpath(basetemp) + "/"
-    with open("/proc/self/mountinfo") as f:
-        leftovers = [line.split()[4] for line in f
-                     if "fuse.ckptfs" in line and line.split()[4].startswith(base)]
+    leftovers = [point for _dev, point, _source in ckptfs_mounts() if point.startswith(base)]
     for path in leftovers:
         subprocess.run(["fusermount3", "-u", "-z", path], capture_output=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -34,13 +33,12 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))           # this checkout's ckptfs, from any directory
 
+from ckptfs.mounts import mountinfo  # noqa: E402
 from ckptfs.proc import stop_process, wait_exit  # noqa: E402
 
 CKPTFS = [sys.executable, "-m", "ckptfs.cli"]
 MOUNT_HELPER = [sys.executable, str(REPO / "mount.ckptfs")]
 FUSECTL = Path("/sys/fs/fuse/connections")
-
-_OCTAL = re.compile(rb"\\([0-7]{3})")
 
 
 class MountError(AssertionError):
@@ -66,15 +64,7 @@ def run_ckptfs(*args: str, check: bool = True, timeout: float = 120,
 
 def mount_table() -> list[tuple[str, str, str]]:
     """(major:minor, mountpoint, filesystem type) of every mount this process sees."""
-    out = []
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split()
-            sep = fields.index(b"-")
-            # mountinfo writes space, tab, newline and backslash as octal escapes.
-            point = _OCTAL.sub(lambda m: bytes([int(m.group(1), 8)]), fields[4])
-            out.append((fields[2].decode(), os.fsdecode(point), fields[sep + 1].decode()))
-    return out
+    return [(e.device, e.mountpoint, e.fstype) for e in mountinfo()]
 
 
 def mounted_paths() -> set[str]:

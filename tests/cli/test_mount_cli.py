@@ -18,6 +18,7 @@ import pytest
 from mounting import CKPTFS, MOUNT_HELPER, REPO, is_mounted, run_ckptfs
 from posix_helpers import MiB, as_user, check_clean, pattern, read_file, wait_for, write_file
 
+from ckptfs import mounts
 from ckptfs.options import OPTIONS
 
 
@@ -127,17 +128,9 @@ SOURCE_NAMES = ["inj\\,allow_other", "inj,allow_other", "inj\\,ro", "ünïcødé
 
 def _mountinfo_entry(path) -> tuple[bytes, bytes, bytes]:
     """(per-mount options, source as the kernel shows it, super options) of the mount at path."""
-    target = os.fsencode(os.path.realpath(path))
-    found = None
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split()
-            point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields[4])
-            if point == target:
-                sep = fields.index(b"-")
-                found = (fields[5], fields[sep + 2], fields[sep + 3])
-    assert found is not None, f"{path} is not in mountinfo"
-    return found
+    entry = mounts.mount_at(str(path))
+    assert entry is not None, f"{path} is not in mountinfo"
+    return entry.mount_options, entry.source_shown, entry.super_options
 
 
 @pytest.mark.parametrize("name", SOURCE_NAMES, ids=lambda n: n.encode("unicode_escape").decode())
@@ -146,7 +139,6 @@ def test_source_path_never_becomes_mount_options(make_mount, tmp_path, name):
     (`inj\\,allow_other` once mounted with allow_other), any name mounts
     (non-ASCII could not), /proc/mounts, df and findmnt show it, and ckptfs
     finds its own mounts by it."""
-    from ckptfs import daemon
     from ckptfs.options import parse_options
     src = tmp_path / name
     src.mkdir()
@@ -156,9 +148,9 @@ def test_source_path_never_becomes_mount_options(make_mount, tmp_path, name):
     per_mount, shown, super_opts = _mountinfo_entry(m.path)
     assert (b"allow_other" in super_opts.split(b",")) == wanted.allow_other, super_opts
     assert b"ro" not in per_mount.split(b","), per_mount
-    assert daemon.find_mount(str(src))[1] == real
+    assert mounts.find_mount(str(src))[1] == real
     write_file(m.path / "f", b"written")             # a read-write mount
-    fsname_encode = daemon.fsname_encode
+    fsname_encode = mounts.fsname_encode
     assert shown == fsname_encode(real).encode() == fsname_encode(real).encode("ascii")
     assert not set(shown) & set(b", \t\n\\"), shown
     # What operators see.
@@ -179,7 +171,7 @@ def test_source_path_never_becomes_mount_options(make_mount, tmp_path, name):
     m.start()
     assert read_file(mnt / "f") == b"written"
     assert _mountinfo_entry(mnt)[1] == fsname_encode(real).encode()
-    assert daemon.find_mount(str(mnt))[1] == real
+    assert mounts.find_mount(str(mnt))[1] == real
     res = run_ckptfs("recover", str(src), check=False)
     assert res.returncode == 1 and "unmount it first" in one_line(res.stderr), res.stderr
     m.umount()

@@ -22,6 +22,7 @@ from mounting import REPO, is_mounted
 from posix_helpers import as_user, check_clean, unused_uid
 
 from ckptfs import control
+from ckptfs.mounts import mountinfo
 
 
 # ------------------------------------------------------------------ helpers
@@ -158,8 +159,7 @@ def world_dir():
     path = Path(tempfile.mkdtemp(prefix="ckptfs-sec-", dir="/tmp"))
     os.chmod(path, 0o755)
     yield path
-    with open("/proc/self/mountinfo") as f:
-        busy = any(line.split()[4].startswith(str(path)) for line in f)
+    busy = any(e.mountpoint.startswith(str(path)) for e in mountinfo())
     if not busy:                # (a mount's own fixture unmounts it first)
         shutil.rmtree(path, ignore_errors=True)
 

@@ -4,7 +4,9 @@ local backend's own rules and the fault injector.
 Each backend kind has a *harness* that knows how to make a store of that kind
 and how to put it in the states the suite needs (gone, read-only, full). The
 conformance tests only talk to the `Backend` interface and the harness; to run
-them against another backend (S3), add a harness to `HARNESSES`.
+them against another backend, add a harness to `HARNESSES`: the local directory,
+the fault injector with no fault set, the daemon's directory-fd store
+(`FdRootBackend`) and S3.
 
 Read-only and full stores use small tmpfs mounts (needs root: skipped, with
 the reason, otherwise); every mount is undone in a `finally`. The S3 harness
@@ -33,7 +35,9 @@ from botocore.exceptions import ClientError
 from ckptfs.backing import LocalBackend, open_backend
 from ckptfs.backing.base import MARKER_NAME, Backend
 from ckptfs.backing.faulty import FaultyBackend
+from ckptfs.backing.fdroot import FdRootBackend
 from ckptfs.backing.s3 import S3Backend
+from ckptfs.mounts import is_mountpoint
 from ckptfs.errors import (AlreadyExists, BackingError, BackingFull, BackingReadOnly,
                            BackingUnavailable, BlobDamaged, BlobMissing, InvalidArgument,
                            UsageError)
@@ -45,9 +49,7 @@ MIB = 1024 * KIB
 # -- mounts ------------------------------------------------------------------------------
 
 def _is_mountpoint(path: Path) -> bool:
-    target = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == target for line in f)
+    return is_mountpoint(str(path))
 
 
 @contextlib.contextmanager
@@ -107,18 +109,22 @@ class LocalHarness:
         self.made.append(b)
         return self.wrap(b)
 
+    def path(self, backend: Backend) -> str:
+        """Where the store's directory is (its real path)."""
+        return self.local(backend).root
+
     def vanish(self, backend: Backend) -> None:
         """The store's directory is gone."""
-        shutil.rmtree(self.local(backend).root)
+        shutil.rmtree(self.path(backend))
 
     def unmount(self, backend: Backend) -> None:
         """The store's filesystem is gone, its empty mountpoint left behind."""
-        root = Path(self.local(backend).root)
+        root = Path(self.path(backend))
         shutil.rmtree(root)
         root.mkdir()
 
     def assert_not_recreated(self, backend: Backend, was_empty_dir: bool) -> None:
-        root = Path(self.local(backend).root)
+        root = Path(self.path(backend))
         if was_empty_dir:
             assert root.is_dir() and list(root.iterdir()) == [], "store recreated"
         else:
@@ -126,7 +132,7 @@ class LocalHarness:
 
     def leftovers(self, backend: Backend) -> list[str]:
         """Traces of uncommitted blobs (temp files)."""
-        root = self.local(backend).root
+        root = self.path(backend)
         out = []
         for dirpath, _dirs, files in os.walk(root):
             out += [os.path.join(dirpath, f) for f in files if f.startswith(".")]
@@ -169,6 +175,32 @@ class FaultyLocalHarness(LocalHarness):
 
     def wrap(self, backend: Backend) -> Backend:
         return FaultyBackend(backend)
+
+
+class FdRootHarness(LocalHarness):
+    """FdRootBackend (the daemon's store below its own mount): the store made at a
+    path, then reached through a directory fd opened on it, as the daemon does."""
+
+    id = "fdroot"
+
+    def _new(self, root: Path, **kw) -> Backend:
+        made = LocalBackend.create(root, **kw)
+        made.close()
+        b = FdRootBackend.open_dir(str(root), made.store_uuid, max_open_files=4)
+        self.made.append(b)
+        return b
+
+    def path(self, backend: Backend) -> str:
+        return self.local(backend).shown_as
+
+    def reopen(self, backend: Backend, store_uuid=None) -> Backend:
+        fd_root = self.local(backend)
+        try:
+            b = FdRootBackend.open_dir(fd_root.shown_as, store_uuid or fd_root.store_uuid)
+        except FileNotFoundError:        # gone: what the daemon sees is a store it cannot reach
+            b = LocalBackend(fd_root.shown_as, store_uuid or fd_root.store_uuid)
+        self.made.append(b)
+        return self.wrap(b)
 
 
 class S3Harness:
@@ -299,7 +331,7 @@ def s3_client(rgw):
     return s3_session(rgw).create_client("s3")
 
 
-HARNESSES = [LocalHarness, FaultyLocalHarness, S3Harness]
+HARNESSES = [LocalHarness, FaultyLocalHarness, FdRootHarness, S3Harness]
 
 
 @pytest.fixture(params=HARNESSES, ids=lambda h: h.id)
