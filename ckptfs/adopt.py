@@ -100,7 +100,7 @@ def adopt_tree(txn: DirectTxn, source_fd: int, counters: dict[bytes, int]) -> in
                                         e.strerror)
                             continue
                         inode.size = len(target)
-                        txn.put("symlinks", ix.ino_key(ino), target)
+                        ix.put_symlink(txn, ino, target)
                     elif stat.S_ISREG(est.st_mode) and est.st_size > 0:
                         fs, dev = ((ix.SOURCE_FS_SAME, 0) if est.st_dev == source_dev
                                    else (ix.SOURCE_FS_OTHER, est.st_dev))
@@ -108,8 +108,7 @@ def adopt_tree(txn: DirectTxn, source_fd: int, counters: dict[bytes, int]) -> in
                                       source_path=path, source_fs=fs, source_dev=dev,
                                       source_ino=est.st_ino)
                         ix.add_chunk(txn, chunk)
-                        txn.put("extents", ix.extent_key(ino, 0),
-                                ix.extent_encode(ix.Extent(0, est.st_size, chunk.chunk_no, 0)))
+                        ix.put_extent(txn, ino, ix.Extent(0, est.st_size, chunk.chunk_no, 0))
                         inode.size = inode.data_bytes = est.st_size
                     ix.put_inode(txn, inode)
                     if not stat.S_ISLNK(est.st_mode):
@@ -118,16 +117,13 @@ def adopt_tree(txn: DirectTxn, source_fd: int, counters: dict[bytes, int]) -> in
                         parent.nlink += 1
                         stack.append((inode, path, key))
                 cookie = next_id(b"next_cookie")
-                txn.put("dirents", ix.dirent_key(parent.ino, name),
-                        ix.dirent_value(ino, cookie))
-                txn.put("dirlist", ix.dirlist_key(parent.ino, cookie), name)
+                ix.add_entry(txn, parent.ino, name, ino, cookie)
                 adopted += 1
         finally:
             if dir_fd != source_fd:
                 os.close(dir_fd)
         ix.put_inode(txn, parent)
-    for name, value in counters.items():
-        txn.put("meta", name, ix.u64_le(value))
+    ix.write_counters(txn, counters)
     return adopted
 
 
@@ -147,10 +143,10 @@ def _open_dir(source_fd: int, rel: bytes, identity: tuple[int, int]) -> int:
 def _add_original_name(txn: DirectTxn, ino: int, path: bytes) -> None:
     """Another hard link to an adopted file: its space comes back only when every
     original name is removed, so the chunk remembers them all."""
-    raw = txn.get("extents", ix.extent_key(ino, 0))
-    if raw is None:
+    extent = ix.first_extent(txn, ino)
+    if extent is None:
         return          # empty file: no bytes to give back
-    chunk = ix.get_chunk(txn, ix.extent_decode(ix.extent_key(ino, 0), raw).chunk_no)
+    chunk = ix.get_chunk(txn, extent.chunk_no)
     chunk.source_path += b"\0" + path
     ix.put_chunk(txn, chunk)
 
@@ -192,4 +188,4 @@ def _copy_xattrs(txn: DirectTxn, ino: int, fd: int, path: bytes) -> None:
                         "of xattrs)", path or b".", name, XATTR_INODE_MAX_BYTES)
             return
         room -= len(raw_name) + len(value)
-        txn.put("xattrs", ix.xattr_key(ino, raw_name), value)
+        ix.put_xattr(txn, ino, raw_name, value)

@@ -979,7 +979,7 @@ class FileData:
                 inode.data_bytes -= self._punch(df.ino, e.file_off, e.end)
             if e.chunk_no == ZERO_CHUNK:
                 continue                # a hole reads as the zeros written
-            self.index.put("extents", ix.extent_key(df.ino, e.file_off), ix.extent_encode(e))
+            ix.put_extent(self.index, df.ino, e)
             inode.data_bytes += e.length
         for chunk_no, n in refs.items():
             chunk = df.new_chunks.pop(chunk_no, None)
@@ -1072,15 +1072,15 @@ class FileData:
         """Remove [a, b) from the committed map; return the bytes removed."""
         removed = 0
         for e in list(ix.iter_extents(self.index, ino, a, b)):
-            self.index.delete("extents", ix.extent_key(ino, e.file_off))
+            ix.delete_extent(self.index, ino, e.file_off)
             kept = 0
             if e.file_off < a:
                 head = Extent(e.file_off, a - e.file_off, e.chunk_no, e.chunk_off)
-                self.index.put("extents", ix.extent_key(ino, head.file_off), ix.extent_encode(head))
+                ix.put_extent(self.index, ino, head)
                 kept += 1
             if e.end > b:
                 tail = Extent(b, e.end - b, e.chunk_no, e.chunk_off + (b - e.file_off))
-                self.index.put("extents", ix.extent_key(ino, tail.file_off), ix.extent_encode(tail))
+                ix.put_extent(self.index, ino, tail)
                 kept += 1
             removed += min(e.end, b) - max(e.file_off, a)
             self._add_refs(e.chunk_no, kept - 1)

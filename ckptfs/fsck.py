@@ -48,7 +48,6 @@ from .pmemlog import SUPERBLOCK_BYTES, PmemLog
 
 log = logging.getLogger(__name__)
 
-MAX = ix.u64((1 << 64) - 1)
 Repair = Callable[[DirectTxn], None]
 
 
@@ -83,11 +82,17 @@ class Fsck:
     bad_inodes: set[int] = field(default_factory=set)      # inodes whose record is damaged
     twins: int = 0                                         # chunks whose bytes another holds
     notes: list[str] = field(default_factory=list)         # said, but not problems
+    view: Optional[ix.ReadView] = None                     # what the checks read, while they run
 
     def problem(self, check: str, message: str, repair: Optional[Repair] = None) -> None:
         self.findings.append(Finding(check, message, repair))
 
     def run(self) -> None:
+        with self.index.read_view() as self.view:
+            self._run()
+        self.view = None
+
+    def _run(self) -> None:
         self.load()
         for check in (self.check_reachable, self.check_root, self.check_dirents,
                       self.check_link_counts, self.check_chunk_records, self.check_extents,
@@ -100,29 +105,18 @@ class Fsck:
     # ------------------------------------------------------------------ scan
 
     def load(self) -> None:
-        kv = self.index
-        for k, v in kv.items("inodes", ix.u64(0), MAX):
-            ino = ix.read_u64(k)
-            try:
-                self.inodes[ino] = Inode.decode(ino, v)
-            except FormatError as e:
-                self.bad_inodes.add(ino)        # reported once; nothing else is repaired for it
-                self.problem("inodes", f"{e} (the file gives EIO)")
-        for k, v in kv.items("chunks", ix.u64(0), MAX):
-            chunk_no = ix.read_u64(k)
-            try:
-                self.chunks[chunk_no] = Chunk.decode(chunk_no, v)
-            except FormatError as e:
-                self.problem("chunks", str(e))
-        for k, v in kv.items("extents", ix.u64(0), MAX):
-            try:
-                e = ix.extent_decode(k, v)
-            except FormatError as err:
-                self.problem("extents", f"inode {ix.read_u64(k[:8])}: {err} (reads of it give "
-                             "EIO)")
-                continue
-            self.extents[ix.read_u64(k[:8])].append(e)
-        self.orphans = {ix.read_u64(k) for k, _ in kv.items("orphans", ix.u64(0), MAX)}
+        kv = self.view
+        for inode in ix.scan_inodes(kv, damaged=lambda why: self.problem(
+                "inodes", f"{why} (the file gives EIO)")):
+            self.inodes[inode.ino] = inode
+        # A damaged inode is reported once; nothing else is repaired for it.
+        self.bad_inodes = set(ix.scan_inode_numbers(kv)) - self.inodes.keys()
+        for chunk in ix.scan_chunks(kv, damaged=lambda why: self.problem("chunks", why)):
+            self.chunks[chunk.chunk_no] = chunk
+        for ino, e in ix.scan_extents(kv, damaged=lambda why: self.problem(
+                "extents", f"{why} (reads of it give EIO)")):
+            self.extents[ino].append(e)
+        self.orphans = set(ix.orphans(kv))
 
     # ---------------------------------------------------------------- checks
 
@@ -153,16 +147,11 @@ class Fsck:
 
         Entries that are wrong are not counted as links, so the link-count check
         that follows sends an inode left in no directory to /lost+found."""
-        kv = self.index
+        kv = self.view
         cookies: dict[tuple[int, int], bytes] = {}
         dir_entries: dict[int, list[tuple[int, bytes, int]]] = defaultdict(list)
-        for k, v in kv.items("dirents", ix.u64(0), MAX):
-            parent, name = ix.read_u64(k[:8]), k[8:]
-            try:
-                ino, cookie = ix.dirent_decode(v)
-            except FormatError as e:
-                self.problem("dirents", f"entry {name!r} in {parent}: {e}")
-                continue
+        for parent, name, ino, cookie in ix.scan_entries(
+                kv, damaged=lambda why: self.problem("dirents", why)):
             pdir = self.inodes.get(parent)
             child = self.inodes.get(ino)
             if ino in self.bad_inodes or parent in self.bad_inodes:
@@ -175,9 +164,9 @@ class Fsck:
                              _delete_entry(parent, name, cookie))
                 continue
             cookies[(parent, cookie)] = name
-            if kv.get("dirlist", ix.dirlist_key(parent, cookie)) != name:
+            if ix.listing_name(kv, parent, cookie) != name:
                 self.problem("dirents", f"entry {name!r} in {parent} is missing from the "
-                             "listing order", _put("dirlist", ix.dirlist_key(parent, cookie), name))
+                             "listing order", _put_listing(parent, cookie, name))
             bad = _bad_name(parent, name)
             if bad is not None:
                 self.problem("names", f"entry {name!r} in directory {parent} {bad}: removed "
@@ -192,16 +181,15 @@ class Fsck:
                 dir_entries[ino].append((parent, name, cookie))
                 continue
             self.links[ino] += 1
-        for k, name in kv.items("dirlist", ix.u64(0), MAX):
-            parent = ix.read_u64(k[:8])
-            if (parent, ix.dirlist_cookie(k)) in cookies:
+        for parent, cookie, name in ix.scan_listing(kv):
+            if (parent, cookie) in cookies:
                 continue
-            if kv.get("dirents", ix.dirent_key(parent, name)) is not None:
+            if ix.has_entry(kv, parent, name):
                 self.problem("dirents", f"listing of {parent} names {name!r} twice",
-                             _delete("dirlist", k))
+                             _delete_listing(parent, cookie))
             else:
                 self.problem("dirents", f"listing of {parent} names {name!r}, which has no "
-                             "entry", _delete("dirlist", k))
+                             "entry", _delete_listing(parent, cookie))
         self._check_tree(dir_entries)
 
     def _check_tree(self, dir_entries: dict[int, list[tuple[int, bytes, int]]]) -> None:
@@ -267,7 +255,7 @@ class Fsck:
                              f"directories say {want}", _set_inode(ino, nlink=want))
             if ino in self.orphans:
                 self.problem("orphans", f"inode {ino} is listed as orphan but still linked",
-                             _delete("orphans", ix.ino_key(ino)))
+                             lambda txn, ino=ino: ix.remove_orphan(txn, ino))
 
     def check_chunk_records(self) -> None:
         """Every LOG and PACK record is one ckptfs could have written (lengths
@@ -331,8 +319,7 @@ class Fsck:
                                  f" extents say {refs[chunk_no]}", fix)
 
     def check_logmap(self) -> None:
-        logmap = {ix.read_u64(k): ix.read_u64(v)
-                  for k, v in self.index.items("logmap", ix.u64(0), MAX)}
+        logmap = dict(ix.scan_log_map(self.view))
         size = self.plog.size_bytes if self.plog else 1 << 64
         end = SUPERBLOCK_BYTES
         for chunk_no, chunk in sorted(self.chunks.items(), key=lambda kv: kv[1].log_off):
@@ -340,14 +327,14 @@ class Fsck:
                 continue
             if logmap.pop(chunk.log_off, None) != chunk_no:
                 self.problem("logmap", f"chunk {chunk_no} is missing from the log map",
-                             _put("logmap", ix.u64(chunk.log_off), ix.u64(chunk_no)))
+                             lambda txn, off=chunk.log_off, no=chunk_no: ix.map_log(txn, off, no))
             if chunk.log_off < end or chunk.log_off + chunk.length > size:
                 self.problem("logmap", f"chunk {chunk_no} at log offset {chunk.log_off} "
                              "overlaps another record or the end of the log")
             end = max(end, chunk.log_off + chunk.length)
         for off, chunk_no in logmap.items():
             self.problem("logmap", f"log map names chunk {chunk_no} at {off}, which does not "
-                         "exist", _delete("logmap", ix.u64(off)))
+                         "exist", lambda txn, off=off: ix.unmap_log(txn, off))
 
     def check_chunk_ids(self) -> None:
         """Every chunk with an id is found by it, and the id table names nothing else."""
@@ -359,25 +346,24 @@ class Fsck:
             if chunk.chunk_id in by_id:
                 # Bytes stored twice: data written with dedup=off gets its ids only
                 # when tiered. Harmless (the id table names one of them), not a fault.
-                if self.index.get("chunkids", chunk.chunk_id) not in (ix.u64(chunk_no),
-                                                                      ix.u64(by_id[chunk.chunk_id])):
+                if ix.find_chunk_no(self.view, chunk.chunk_id) not in (chunk_no,
+                                                                       by_id[chunk.chunk_id]):
                     self.problem("chunk ids", f"chunks {by_id[chunk.chunk_id]} and {chunk_no} "
                                  "hold the same bytes and the id table names neither")
                 twins += 1
                 continue
             by_id[chunk.chunk_id] = chunk_no
         self.twins = twins
-        for k, v in self.index.items("chunkids", bytes(ix.CHUNK_ID_BYTES), b"\xff" * 33):
-            chunk_no = ix.read_u64(v)
+        for k, chunk_no in ix.scan_chunk_ids(self.view):
             if by_id.get(k) == chunk_no or (k in by_id and self.chunks.get(chunk_no) is not None
                                             and self.chunks[chunk_no].chunk_id == k):
                 del by_id[k]
             else:
                 self.problem("chunk ids", f"id {k.hex()[:16]}.. names chunk {chunk_no}, which "
-                             "does not hold it", _delete("chunkids", k))
+                             "does not hold it", lambda txn, k=k: ix.unname_chunk(txn, k))
         for cid, chunk_no in by_id.items():
             self.problem("chunk ids", f"chunk {chunk_no} is missing from the id table",
-                         _put("chunkids", cid, ix.u64(chunk_no)))
+                         lambda txn, cid=cid, no=chunk_no: ix.name_chunk(txn, cid, no))
 
     def check_packs(self) -> None:
         """Pack records count exactly the chunks in them; every pack they name is
@@ -394,14 +380,13 @@ class Fsck:
                 live_bytes[chunk.pack_no] += chunk.stored_length
                 in_pack[chunk.pack_no].append(chunk)
         recorded = {}
-        for k, _ in self.index.items("packs", ix.u64(0), MAX):
+        for pack_no in ix.scan_pack_numbers(self.view):
             try:
-                pack = ix.get_pack(self.index, ix.read_u64(k))
+                pack = ix.get_pack(self.view, pack_no)
             except FormatError as e:
-                live_pack = live.get(ix.read_u64(k), 0)
                 self.problem("packs", str(e), _put_pack(ix.PackInfo(
-                    ix.read_u64(k), live_pack, live_bytes[ix.read_u64(k)], 0)))
-                recorded[ix.read_u64(k)] = None
+                    pack_no, live.get(pack_no, 0), live_bytes[pack_no], 0)))
+                recorded[pack_no] = None
                 continue
             recorded[pack.pack_no] = pack
             if (pack.live_chunks, pack.live_bytes) != (live[pack.pack_no],
@@ -443,7 +428,7 @@ class Fsck:
                          f"{max(in_store)}: the index is older than the store (restored from "
                          "a copy?) or another filesystem writes packs there; until --repair "
                          "raises it, tiering writes no pack",
-                         _put("meta", b"next_pack", ix.u64_le(max(in_store) + 1)))
+                         _set_counter(b"next_pack", max(in_store) + 1))
         named = {packs.pack_name(n) for n in recorded} | {packs.pack_name(n) for n in live}
         for blob in sorted(blobs - named):
             if packs.pack_number(blob) in intents:
@@ -484,7 +469,7 @@ class Fsck:
                          f"{seqs[-1]}: the index is older than the store (restored from a "
                          "copy?); until --repair raises it, mounts publish no snapshot and "
                          "delete no pack (ckptfs recover rebuilds the newer state instead)",
-                         _put("meta", b"next_head", ix.u64_le(seqs[-1] + 1)))
+                         _set_counter(b"next_head", seqs[-1] + 1))
         name = sf.head_name(fs_uuid, seqs[-1])
         try:
             head = sf.decode_head(name, fs_uuid, _read_limited(self.backend, name,
@@ -528,26 +513,30 @@ class Fsck:
                              f"the trailer of {name} at offset {chunk.pack_off}")
 
     def check_side_tables(self) -> None:
-        for table in ("xattrs", "symlinks"):
-            for k, _ in self.index.items(table, ix.u64(0), MAX):
-                ino = ix.read_u64(k[:8])
-                if ino not in self.inodes and ino not in self.bad_inodes:
-                    self.problem(table, f"{table} entry for missing inode {ino}",
-                                 _delete(table, k))
+        def missing(ino: int) -> bool:
+            return ino not in self.inodes and ino not in self.bad_inodes
+
+        for ino, name in ix.scan_xattr_inos(self.view):
+            if missing(ino):
+                self.problem("xattrs", f"xattrs entry for missing inode {ino}",
+                             lambda txn, ino=ino, name=name: ix.delete_xattr(txn, ino, name))
+        for ino in ix.scan_symlink_inos(self.view):
+            if missing(ino):
+                self.problem("symlinks", f"symlinks entry for missing inode {ino}",
+                             lambda txn, ino=ino: ix.delete_symlink(txn, ino))
         for ino, inode in self.inodes.items():
-            if stat.S_ISLNK(inode.mode) and self.index.get("symlinks", ix.ino_key(ino)) is None:
+            if stat.S_ISLNK(inode.mode) and ix.get_symlink(self.view, ino) is None:
                 self.problem("symlinks", f"symlink {ino} has no target")
 
     def check_counters(self) -> None:
         for name, seen in ((b"next_ino", max(self.inodes, default=0)),
                            (b"next_chunk", max(self.chunks, default=0)),
-                           (b"next_cookie", max((ix.dirlist_cookie(k) for k, _ in
-                                                 self.index.items("dirlist", ix.u64(0), MAX)),
-                                                default=0))):
+                           (b"next_cookie", max((cookie for _, cookie, _ in
+                                                 ix.scan_listing(self.view)), default=0))):
             value = self.index.counters.get(name, 0)
             if value <= seen:
                 self.problem("counters", f"{name.decode()} is {value} but {seen} is in use",
-                             _put("meta", name, ix.u64_le(seen + 1)))
+                             _set_counter(name, seen + 1))
         # The chunk totals `ckptfs stat` shows, recounted (a leaked chunk's
         # repair takes it out of them itself).
         kept = list(self.chunks.values())
@@ -562,7 +551,7 @@ class Fsck:
             value = self.index.counters.get(name, 0)
             if value != want:
                 self.problem("counters", f"{name.decode()} is {value}, the chunk table "
-                             f"holds {want}", _put("meta", name, ix.u64_le(want)))
+                             f"holds {want}", _set_counter(name, want))
         # The file totals, recounted over the inode table. Repaired by the
         # difference: a purge in the same repair keeps them itself.
         for name, want in ix.count_files(self.index).items():
@@ -624,8 +613,16 @@ def _bad_name(parent: int, name: bytes) -> Optional[str]:
 
 # ---------------------------------------------------------------- repairs
 
-def _put(db: str, key: bytes, value: bytes) -> Repair:
-    return lambda txn: txn.put(db, key, value)
+def _set_counter(name: bytes, value: int) -> Repair:
+    return lambda txn: ix.write_counters(txn, {name: value})
+
+
+def _put_listing(parent: int, cookie: int, name: bytes) -> Repair:
+    return lambda txn: ix.put_listing(txn, parent, cookie, name)
+
+
+def _delete_listing(parent: int, cookie: int) -> Repair:
+    return lambda txn: ix.delete_listing(txn, parent, cookie)
 
 
 def _put_pack(pack: ix.PackInfo) -> Repair:
@@ -646,15 +643,8 @@ def _adjust_counter(name: bytes, delta: int) -> Repair:
     return fix
 
 
-def _delete(db: str, key: bytes) -> Repair:
-    return lambda txn: txn.delete(db, key)
-
-
 def _delete_entry(parent: int, name: bytes, cookie: int) -> Repair:
-    def fix(txn: DirectTxn) -> None:
-        txn.delete("dirents", ix.dirent_key(parent, name))
-        txn.delete("dirlist", ix.dirlist_key(parent, cookie))
-    return fix
+    return lambda txn: ix.remove_entry(txn, parent, name, cookie)
 
 
 def _set_inode(ino: int, **fields: int) -> Repair:
@@ -680,7 +670,7 @@ def _set_refcount(chunk: Chunk, refcount: int) -> Repair:
 def _drop_extents(ino: int, f: Fsck) -> Repair:
     def fix(txn: DirectTxn) -> None:
         for e in f.extents[ino]:
-            txn.delete("extents", ix.extent_key(ino, e.file_off))
+            ix.delete_extent(txn, ino, e.file_off)
             chunk = ix.get_chunk(txn, e.chunk_no)
             if chunk is not None:
                 _set_refcount(chunk, chunk.refcount - 1)(txn)
@@ -690,22 +680,17 @@ def _drop_extents(ino: int, f: Fsck) -> Repair:
 def _purge(ino: int, f: Fsck) -> Repair:
     def fix(txn: DirectTxn) -> None:
         _drop_extents(ino, f)(txn)
-        ix.delete_inode_record(txn, ino)        # keeps the file totals
-        for table in ("symlinks", "orphans"):
-            txn.delete(table, ix.ino_key(ino))
-        lo, hi = ix.prefix_range(ino)
-        for k, _ in list(txn.items("xattrs", lo, hi)):
-            txn.delete("xattrs", k)
+        ix.delete_inode(txn, ino)
     return fix
 
 
 def _to_lost_found(ino: int, f: Fsck) -> Repair:
     """Link an unreachable inode into /lost+found as #INO (like e2fsck)."""
     def fix(txn: DirectTxn) -> None:
-        counters = {n: ix.read_counter(txn, n) for n in (b"next_ino", b"next_cookie")}
-        raw = txn.get("dirents", ix.dirent_key(ROOT_INO, b"lost+found"))
+        counters = ix.read_counters(txn, (b"next_ino", b"next_cookie"))
+        found = ix.lookup_entry(txn, ROOT_INO, b"lost+found")
         root = ix.get_inode(txn, ROOT_INO)
-        if raw is None:
+        if found is None:
             lf_ino = counters[b"next_ino"]
             counters[b"next_ino"] += 1
             lf = Inode(lf_ino, 0o40700, 2, 0, 0, mtime_ns=root.mtime_ns, ctime_ns=root.ctime_ns,
@@ -715,11 +700,11 @@ def _to_lost_found(ino: int, f: Fsck) -> Repair:
             root.nlink += 1
             ix.put_inode(txn, root)
         else:
-            lf_ino = ix.dirent_decode(raw)[0]
+            lf_ino = found[0]
         lf = ix.get_inode(txn, lf_ino)
         inode = ix.get_inode(txn, ino)
         name, n = f"#{ino}".encode(), 1
-        while txn.get("dirents", ix.dirent_key(lf_ino, name)) is not None:
+        while ix.has_entry(txn, lf_ino, name):
             n += 1
             name = f"#{ino}.{n}".encode()
         _link(txn, lf, name, ino, counters)
@@ -731,16 +716,14 @@ def _to_lost_found(ino: int, f: Fsck) -> Repair:
         else:
             inode.nlink = 1
         ix.put_inode(txn, inode)
-        for name, value in counters.items():
-            txn.put("meta", name, ix.u64_le(value))
+        ix.write_counters(txn, counters)
     return fix
 
 
 def _link(txn: DirectTxn, pdir: Inode, name: bytes, ino: int, counters: dict) -> None:
     cookie = counters[b"next_cookie"]
     counters[b"next_cookie"] += 1
-    txn.put("dirents", ix.dirent_key(pdir.ino, name), ix.dirent_value(ino, cookie))
-    txn.put("dirlist", ix.dirlist_key(pdir.ino, cookie), name)
+    ix.add_entry(txn, pdir.ino, name, ino, cookie)
 
 
 # ------------------------------------------------------------------ command

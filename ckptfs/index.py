@@ -1,7 +1,12 @@
 """The LMDB index: the single source of truth for what is committed.
 
 This module owns every sub-database, every key and value encoding, and the
-group-commit pipeline. Nothing else in ckptfs talks to LMDB.
+group-commit pipeline. Nothing else in ckptfs talks to LMDB, names a
+sub-database or slices a key: other modules use the typed operations at the
+end of this file ("tables": entries, xattrs, symlinks, orphans, extents,
+chunks, chunk ids, the log map, packs, counters, and read-only scans of each
+table). Each works on the live Index, a DirectTxn and (reads) a ReadView
+alike; the raw `_get/_put/_delete/_items` are private to this module.
 
 Schema (all integers big-endian in keys so that LMDB's byte order is numeric
 order; little-endian in values):
@@ -201,7 +206,7 @@ def u64_le(n: int) -> bytes:
 
 
 def read_counter(kv, name: bytes) -> int:
-    raw = kv.get("meta", name)
+    raw = kv._get("meta", name)
     return _LOGLOC.unpack(raw)[0] if raw else 0
 
 
@@ -502,7 +507,7 @@ class Index:
     # ----------------------------------------------------------------- setup
 
     def is_formatted(self) -> bool:
-        return self.get("meta", b"format") is not None
+        return self._get("meta", b"format") is not None
 
     def format(self, fs_uuid: bytes, now_ns: int, uid: int, gid: int) -> None:
         """Write a new, empty filesystem (root directory only). May block."""
@@ -528,10 +533,10 @@ class Index:
                               "this ckptfs to upgrade it (fsck does not change formats)")
         if version != FORMAT_VERSION:
             raise FormatError(f"index format {version} is not supported (expected {FORMAT_VERSION})")
-        return self.get("meta", b"uuid") or b""
+        return self._get("meta", b"uuid") or b""
 
     def format_version(self) -> int:
-        raw = self.get("meta", b"format")
+        raw = self._get("meta", b"format")
         if raw is None:
             raise FormatError(f"{self.path} holds no ckptfs index")
         return struct.unpack("<I", raw)[0]
@@ -558,7 +563,7 @@ class Index:
         def upgrade(txn: "DirectTxn") -> None:
             if version == 1:
                 _upgrade_chunk_ids(txn)
-            for k, raw in list(txn.items("chunks", u64(0), u64((1 << 64) - 1))):
+            for k, raw in list(txn._items("chunks", u64(0), u64((1 << 64) - 1))):
                 kind, refcount, length = _CHUNK_HEAD.unpack_from(raw)
                 if kind != CHUNK_SOURCE:
                     continue
@@ -571,10 +576,10 @@ class Index:
                         source_identity(chunk.source_paths)
                 except OSError as e:
                     unknown.append(f"{paths.split(bytes(1))[0]!r} ({e})")
-                txn.put("chunks", k, chunk.encode())
+                txn._put("chunks", k, chunk.encode())
             for name, value in count_files(txn).items():
-                txn.put("meta", name, _LOGLOC.pack(value))
-            txn.put("meta", b"format", struct.pack("<I", FORMAT_VERSION))
+                txn._put("meta", name, _LOGLOC.pack(value))
+            txn._put("meta", b"format", struct.pack("<I", FORMAT_VERSION))
 
         self.write_direct(upgrade)
         log.info("upgraded index %s from format %d to %d", self.path, version, FORMAT_VERSION)
@@ -600,7 +605,7 @@ class Index:
         caller has waited for that batch, the id can never be handed out again,
         even after a crash (snapshot heads need that; see docs/STORE.md)."""
         value = self.allocate_id(name)
-        self.put("meta", name, _LOGLOC.pack(self.counters[name]))
+        self._put("meta", name, _LOGLOC.pack(self.counters[name]))
         return value
 
     def read_view(self) -> "ReadView":
@@ -614,10 +619,10 @@ class Index:
         self._note_change()
 
     def set_clean(self, clean: bool) -> None:
-        self.put("meta", b"clean", b"1" if clean else b"0")
+        self._put("meta", b"clean", b"1" if clean else b"0")
 
     def was_clean(self) -> bool:
-        return self.get("meta", b"clean") != b"0"
+        return self._get("meta", b"clean") != b"0"
 
     def write_direct(self, fn: Callable[["DirectTxn"], None]) -> None:
         """Run fn in one durable write transaction now. May block.
@@ -632,7 +637,7 @@ class Index:
 
     # ----------------------------------------------------------------- reads
 
-    def get(self, db: str, key: bytes) -> Optional[bytes]:
+    def _get(self, db: str, key: bytes) -> Optional[bytes]:
         for batch in (self._open, self._committing):
             if batch is not None:
                 layer = batch.ops.get(db)
@@ -640,7 +645,7 @@ class Index:
                     return layer[key]
         return self._rtxn.get(key, db=self._dbs[db])
 
-    def items(self, db: str, lo: bytes, hi: bytes, reverse: bool = False
+    def _items(self, db: str, lo: bytes, hi: bytes, reverse: bool = False
               ) -> Iterator[tuple[bytes, bytes]]:
         """Committed-or-pending items with lo <= key < hi, in key order.
 
@@ -676,10 +681,10 @@ class Index:
 
     # ---------------------------------------------------------------- writes
 
-    def put(self, db: str, key: bytes, value: bytes) -> None:
+    def _put(self, db: str, key: bytes, value: bytes) -> None:
         self._layer(db)[key] = value
 
-    def delete(self, db: str, key: bytes) -> None:
+    def _delete(self, db: str, key: bytes) -> None:
         self._layer(db)[key] = None
 
     def _layer(self, db: str) -> SortedDict:
@@ -915,20 +920,20 @@ class DirectTxn:
         self.txn = txn
         self.dbs = dbs
 
-    def get(self, db: str, key: bytes) -> Optional[bytes]:
+    def _get(self, db: str, key: bytes) -> Optional[bytes]:
         return self.txn.get(key, db=self.dbs[db])
 
-    def put(self, db: str, key: bytes, value: bytes) -> None:
+    def _put(self, db: str, key: bytes, value: bytes) -> None:
         self.txn.put(key, value, db=self.dbs[db])
 
-    def delete(self, db: str, key: bytes) -> None:
+    def _delete(self, db: str, key: bytes) -> None:
         self.txn.delete(key, db=self.dbs[db])
 
-    def items(self, db: str, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
+    def _items(self, db: str, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
         yield from _cursor_range(self.txn.cursor(self.dbs[db]), lo, hi)
 
     def adjust_counter(self, name: bytes, delta: int) -> None:
-        self.put("meta", name, _LOGLOC.pack(read_counter(self, name) + delta))
+        self._put("meta", name, _LOGLOC.pack(read_counter(self, name) + delta))
 
 
 class ReadView:
@@ -942,10 +947,10 @@ class ReadView:
         self.txn = txn
         self.dbs = dbs
 
-    def get(self, db: str, key: bytes) -> Optional[bytes]:
+    def _get(self, db: str, key: bytes) -> Optional[bytes]:
         return self.txn.get(key, db=self.dbs[db])
 
-    def items(self, db: str, lo: bytes, hi: bytes, reverse: bool = False
+    def _items(self, db: str, lo: bytes, hi: bytes, reverse: bool = False
               ) -> Iterator[tuple[bytes, bytes]]:
         cur = self.txn.cursor(self.dbs[db])
         if not reverse:
@@ -1013,8 +1018,8 @@ def new_fs_uuid() -> bytes:
 
 
 # ------------------------------------------------------------- key helpers
-# Typed accessors on top of get/put/items. Both Index and DirectTxn expose
-# get/put/delete/items, so these take either.
+# Encodings, and the typed accessors on top of the private _get/_put/_items
+# (see "tables" below). They take an Index, a DirectTxn or a ReadView.
 
 def ino_key(ino: int) -> bytes:
     return _U64.pack(ino)
@@ -1070,22 +1075,22 @@ def prefix_range(ino: int) -> tuple[bytes, bytes]:
 
 
 def get_inode(kv, ino: int) -> Optional[Inode]:
-    raw = kv.get("inodes", ino_key(ino))
+    raw = kv._get("inodes", ino_key(ino))
     return None if raw is None else Inode.decode(ino, raw)
 
 
 def put_inode(kv, inode: Inode) -> None:
     key = ino_key(inode.ino)
     raw = inode.encode()
-    _count_file(kv, kv.get("inodes", key), raw)
-    kv.put("inodes", key, raw)
+    _count_file(kv, kv._get("inodes", key), raw)
+    kv._put("inodes", key, raw)
 
 
 def delete_inode_record(kv, ino: int) -> None:
     """Delete an inode's record (and nothing else), keeping the file totals."""
     key = ino_key(ino)
-    _count_file(kv, kv.get("inodes", key), None)
-    kv.delete("inodes", key)
+    _count_file(kv, kv._get("inodes", key), None)
+    kv._delete("inodes", key)
 
 
 _INODE_MODE = struct.Struct("<I")
@@ -1113,7 +1118,7 @@ def _count_file(kv, old: Optional[bytes], new: Optional[bytes]) -> None:
 def count_files(kv) -> dict[bytes, int]:
     """The file totals, counted over the inode table (upgrade, fsck). May block."""
     files = size = 0
-    for _, raw in kv.items("inodes", u64(0), u64((1 << 64) - 1)):
+    for _, raw in kv._items("inodes", u64(0), u64((1 << 64) - 1)):
         f, b = _file_weight(raw)
         files += f
         size += b
@@ -1121,7 +1126,7 @@ def count_files(kv) -> dict[bytes, int]:
 
 
 def get_chunk(kv, chunk_no: int) -> Optional[Chunk]:
-    raw = kv.get("chunks", u64(chunk_no))
+    raw = kv._get("chunks", u64(chunk_no))
     return None if raw is None else Chunk.decode(chunk_no, raw)
 
 
@@ -1164,72 +1169,67 @@ def check_chunk_record(chunk: Chunk) -> Chunk:
 
 
 def get_store_uuid(kv) -> Optional[bytes]:
-    return kv.get("meta", b"store_uuid")
+    return kv._get("meta", b"store_uuid")
 
 
 def get_store_path(kv) -> Optional[bytes]:
-    return kv.get("meta", b"store_path")
+    return kv._get("meta", b"store_path")
 
 
 def set_store(kv, store_uuid: bytes, path: bytes) -> None:
-    kv.put("meta", b"store_uuid", store_uuid)
-    kv.put("meta", b"store_path", path)
+    kv._put("meta", b"store_uuid", store_uuid)
+    kv._put("meta", b"store_path", path)
 
 
 def get_log_path(kv) -> Optional[bytes]:
     """The log the index was last mounted with, as `set_log_path` stored it."""
-    return kv.get("meta", b"log_path")
+    return kv._get("meta", b"log_path")
 
 
 def set_log_path(kv, path: bytes) -> None:
-    kv.put("meta", b"log_path", path)
-
-
-def has_log_chunks(kv) -> bool:
-    """Whether any chunk lives in the log (the log is then needed to read it)."""
-    return next(iter(kv.items("logmap", u64(0), u64((1 << 64) - 1))), None) is not None
+    kv._put("meta", b"log_path", path)
 
 
 def find_chunk_no(kv, chunk_id: bytes) -> Optional[int]:
     """The number of the stored chunk whose bytes have this BLAKE3 id, if any."""
-    raw = kv.get("chunkids", chunk_id)
+    raw = kv._get("chunkids", chunk_id)
     return None if raw is None else read_u64(raw)
 
 
 def find_chunk(kv, chunk_id: bytes) -> Optional[Chunk]:
     """The stored chunk whose bytes have this BLAKE3 id, if any."""
-    raw = kv.get("chunkids", chunk_id)
+    raw = kv._get("chunkids", chunk_id)
     return None if raw is None else get_chunk(kv, read_u64(raw))
 
 
 def add_chunk(kv, chunk: Chunk) -> None:
     """Store a new chunk: its record, where it lives, its id, the totals."""
-    kv.put("chunks", u64(chunk.chunk_no), chunk.encode())
+    kv._put("chunks", u64(chunk.chunk_no), chunk.encode())
     _count_chunk(kv, chunk, +1)
     if chunk.chunk_id:
-        kv.put("chunkids", chunk.chunk_id, u64(chunk.chunk_no))
+        kv._put("chunkids", chunk.chunk_id, u64(chunk.chunk_no))
     kv.adjust_counter(b"chunks", 1)
 
 
 def put_chunk(kv, chunk: Chunk) -> None:
     """Update a chunk that is already stored (refcount, original names)."""
-    kv.put("chunks", u64(chunk.chunk_no), chunk.encode())
+    kv._put("chunks", u64(chunk.chunk_no), chunk.encode())
 
 
 def delete_chunk(kv, chunk: Chunk) -> None:
-    kv.delete("chunks", u64(chunk.chunk_no))
+    kv._delete("chunks", u64(chunk.chunk_no))
     _count_chunk(kv, chunk, -1)
     # Only its own entry: a chunk stored without dedup and named when tiered
     # may share its id with a twin the table names.
-    if chunk.chunk_id and kv.get("chunkids", chunk.chunk_id) == u64(chunk.chunk_no):
-        kv.delete("chunkids", chunk.chunk_id)
+    if chunk.chunk_id and kv._get("chunkids", chunk.chunk_id) == u64(chunk.chunk_no):
+        kv._delete("chunkids", chunk.chunk_id)
     kv.adjust_counter(b"chunks", -1)
 
 
 def move_chunk(kv, old: Chunk, new: Chunk) -> None:
     """The same chunk (number, id, refcount) now stored elsewhere (tiered)."""
     _count_chunk(kv, old, -1)
-    kv.put("chunks", u64(new.chunk_no), new.encode())
+    kv._put("chunks", u64(new.chunk_no), new.encode())
     _count_chunk(kv, new, +1)
 
 
@@ -1237,9 +1237,9 @@ def _count_chunk(kv, chunk: Chunk, sign: int) -> None:
     """Where a chunk lives, and the totals: one place for add, delete and move."""
     if chunk.kind == CHUNK_LOG:
         if sign > 0:
-            kv.put("logmap", u64(chunk.log_off), u64(chunk.chunk_no))
+            kv._put("logmap", u64(chunk.log_off), u64(chunk.chunk_no))
         else:
-            kv.delete("logmap", u64(chunk.log_off))
+            kv._delete("logmap", u64(chunk.log_off))
         kv.adjust_counter(b"stored_log_bytes", sign * chunk.length)
     elif chunk.kind == CHUNK_PACK:
         kv.adjust_counter(b"stored_pack_bytes", sign * chunk.stored_length)
@@ -1265,17 +1265,17 @@ _INTENT = b"pack_intent/"
 
 def put_pack_intent(kv, pack_no: int, now_ns: int) -> None:
     """Pack pack_no is about to be written (durable before its first byte)."""
-    kv.put("meta", _INTENT + u64(pack_no), _LOGLOC.pack(now_ns))
+    kv._put("meta", _INTENT + u64(pack_no), _LOGLOC.pack(now_ns))
 
 
 def delete_pack_intent(kv, pack_no: int) -> None:
-    kv.delete("meta", _INTENT + u64(pack_no))
+    kv._delete("meta", _INTENT + u64(pack_no))
 
 
 def pack_intents(kv) -> list[int]:
     """Numbers of the packs being written, or left by an interrupted pass."""
     return [read_u64(k[len(_INTENT):])
-            for k, _ in kv.items("meta", _INTENT, _INTENT[:-1] + b"0")]
+            for k, _ in kv._items("meta", _INTENT, _INTENT[:-1] + b"0")]
 
 
 _DEAD = b"pack_dead/"
@@ -1283,20 +1283,20 @@ _DEAD = b"pack_dead/"
 
 def put_dead_pack(kv, pack_no: int, now_ns: int) -> None:
     """Pack pack_no has no live chunk left: its blob goes after the next snapshot."""
-    kv.put("meta", _DEAD + u64(pack_no), _LOGLOC.pack(now_ns))
+    kv._put("meta", _DEAD + u64(pack_no), _LOGLOC.pack(now_ns))
 
 
 def delete_dead_pack(kv, pack_no: int) -> None:
-    kv.delete("meta", _DEAD + u64(pack_no))
+    kv._delete("meta", _DEAD + u64(pack_no))
 
 
 def dead_packs(kv) -> list[int]:
     """Numbers of dead packs whose blobs may still be in the store."""
-    return [read_u64(k[len(_DEAD):]) for k, _ in kv.items("meta", _DEAD, _DEAD[:-1] + b"0")]
+    return [read_u64(k[len(_DEAD):]) for k, _ in kv._items("meta", _DEAD, _DEAD[:-1] + b"0")]
 
 
 def get_pack(kv, pack_no: int) -> Optional[PackInfo]:
-    raw = kv.get("packs", u64(pack_no))
+    raw = kv._get("packs", u64(pack_no))
     if raw is None:
         return None
     try:
@@ -1306,12 +1306,12 @@ def get_pack(kv, pack_no: int) -> Optional[PackInfo]:
 
 
 def put_pack(kv, pack: PackInfo) -> None:
-    kv.put("packs", u64(pack.pack_no), _PACK.pack(pack.live_chunks, pack.live_bytes,
+    kv._put("packs", u64(pack.pack_no), _PACK.pack(pack.live_chunks, pack.live_bytes,
                                                   pack.size_bytes))
 
 
 def delete_pack(kv, pack_no: int) -> None:
-    kv.delete("packs", u64(pack_no))
+    kv._delete("packs", u64(pack_no))
 
 
 def iter_extents(kv: "Index", ino: int, start: int = 0, end: int = 1 << 63) -> Iterator[Extent]:
@@ -1319,12 +1319,12 @@ def iter_extents(kv: "Index", ino: int, start: int = 0, end: int = 1 << 63) -> I
     lo, hi = prefix_range(ino)
     # The extent that starts before `start` may still reach into the range.
     if start > 0:
-        for k, v in kv.items("extents", lo, extent_key(ino, start), reverse=True):
+        for k, v in kv._items("extents", lo, extent_key(ino, start), reverse=True):
             e = extent_decode(k, v)
             if e.end > start:
                 yield e
             break
-    for k, v in kv.items("extents", extent_key(ino, start), hi):
+    for k, v in kv._items("extents", extent_key(ino, start), hi):
         e = extent_decode(k, v)
         if e.file_off >= end:
             return
@@ -1335,24 +1335,24 @@ def _upgrade_chunk_ids(txn: "DirectTxn") -> None:
     """Format 1 -> 2: LOG chunks get an all-zero id; the chunk totals are counted.
     Format 1 predates tiering too: no packs, no pack counters (they read as 0)."""
     totals = dict.fromkeys(STAT_COUNTERS, 0)
-    for k, raw in list(txn.items("chunks", u64(0), u64((1 << 64) - 1))):
+    for k, raw in list(txn._items("chunks", u64(0), u64((1 << 64) - 1))):
         kind, refcount, length = _CHUNK_HEAD.unpack_from(raw)
         rest = raw[_CHUNK_HEAD.size:]
         if kind == CHUNK_LOG:
             chunk = Chunk(read_u64(k), kind, refcount, length,
                           log_off=_LOGLOC.unpack_from(rest)[0], crcs=bytes(rest[_LOGLOC.size:]))
-            txn.put("chunks", k, chunk.encode())
+            txn._put("chunks", k, chunk.encode())
             totals[b"stored_log_bytes"] += length
         else:
             totals[b"stored_source_bytes"] += length
         totals[b"chunks"] += 1
     for name, value in totals.items():
-        txn.put("meta", name, _LOGLOC.pack(value))
+        txn._put("meta", name, _LOGLOC.pack(value))
 
 
 def has_log_chunks(kv) -> bool:
     """Whether any chunk lives in the log (the log map is not empty)."""
-    return next(kv.items("logmap", u64(0), u64((1 << 64) - 1)), None) is not None
+    return next(kv._items("logmap", u64(0), u64((1 << 64) - 1)), None) is not None
 
 
 def used_log_space(kv, start: int, end: int, damaged: list[str]) -> list[tuple[int, int]]:
@@ -1367,7 +1367,7 @@ def used_log_space(kv, start: int, end: int, damaged: list[str]) -> list[tuple[i
     (fsck reports the same records; their reads give EIO).
     """
     ranges: list[tuple[int, int]] = []
-    for k, v in kv.items("logmap", u64(0), u64((1 << 64) - 1)):
+    for k, v in kv._items("logmap", u64(0), u64((1 << 64) - 1)):
         off = read_u64(k)
         try:
             chunk = get_chunk(kv, read_u64(v)) if len(v) == 8 else None
@@ -1393,3 +1393,309 @@ def used_log_space(kv, start: int, end: int, damaged: list[str]) -> list[tuple[i
         else:
             ranges.append((a, b - a))
     return ranges
+
+
+# ------------------------------------------------------------------- tables
+# Typed operations on every sub-database: the only way other modules read or
+# write the index. Each takes `kv`: the live Index (trio thread; writes go to
+# the open batch), a DirectTxn (a durable write transaction at start-up, in
+# fsck repairs and recover) or, for reads, a ReadView (one read transaction,
+# any one thread). The raw `_get/_put/_delete/_items` behind them are private
+# to this module. Scans (`scan_*`) read a whole table in key order; they pass
+# records that cannot be decoded to `damaged(description)` and go on, so fsck
+# reads every table through them and never slices a key itself.
+
+_U64_MAX = (1 << 64) - 1
+_ALL = (u64(0), u64(_U64_MAX))
+Damaged = Callable[[str], None]
+
+
+def _raise_damaged(why: str) -> None:
+    raise FormatError(why)
+
+
+# -- meta: counters and settings
+
+def read_counters(kv, names: Iterator[bytes] | tuple[bytes, ...]) -> dict[bytes, int]:
+    """The stored values of these counters (0 when never written)."""
+    return {name: read_counter(kv, name) for name in names}
+
+
+def write_counters(kv, counters: dict[bytes, int]) -> None:
+    """Store counter values (id counters, chunk totals) as they are given."""
+    for name, value in counters.items():
+        kv._put("meta", name, u64_le(value))
+
+
+def mark_clean(kv, clean: bool) -> None:
+    kv._put("meta", b"clean", b"1" if clean else b"0")
+
+
+# -- inodes
+
+def delete_inode(kv, ino: int) -> None:
+    """Drop an inode's record with its symlink target, orphan mark and xattrs
+    (its extents are the caller's: they hold chunk references)."""
+    key = ino_key(ino)
+    delete_inode_record(kv, ino)            # keeps the file totals
+    kv._delete("symlinks", key)
+    kv._delete("orphans", key)
+    lo, hi = prefix_range(ino)
+    for k, _ in list(kv._items("xattrs", lo, hi)):
+        kv._delete("xattrs", k)
+
+
+def scan_inodes(kv, damaged: Damaged = _raise_damaged) -> Iterator[Inode]:
+    for k, v in kv._items("inodes", *_ALL):
+        ino = read_u64(k)
+        try:
+            yield Inode.decode(ino, v)
+        except FormatError as e:
+            damaged(str(e))
+
+
+def scan_inode_numbers(kv) -> Iterator[int]:
+    """Every inode number with a record, decodable or not."""
+    for k, _ in kv._items("inodes", *_ALL):
+        yield read_u64(k)
+
+
+# -- directory entries (dirents: parent + name -> ino + cookie; dirlist: parent + cookie -> name)
+
+def lookup_entry(kv, parent: int, name: bytes) -> Optional[tuple[int, int]]:
+    """(ino, cookie) of name in directory parent, if there is such an entry."""
+    raw = kv._get("dirents", dirent_key(parent, name))
+    return None if raw is None else dirent_decode(raw)
+
+
+def has_entry(kv, parent: int, name: bytes) -> bool:
+    return kv._get("dirents", dirent_key(parent, name)) is not None
+
+
+def add_entry(kv, parent: int, name: bytes, ino: int, cookie: int) -> None:
+    """A new entry and its place in the listing (cookie from `next_cookie`)."""
+    kv._put("dirents", dirent_key(parent, name), dirent_value(ino, cookie))
+    kv._put("dirlist", dirlist_key(parent, cookie), name)
+
+
+def retarget_entry(kv, parent: int, name: bytes, ino: int) -> None:
+    """The existing entry name now names ino; it keeps its place in the listing."""
+    _, cookie = dirent_decode(kv._get("dirents", dirent_key(parent, name)))
+    kv._put("dirents", dirent_key(parent, name), dirent_value(ino, cookie))
+
+
+def remove_entry(kv, parent: int, name: bytes, cookie: int) -> None:
+    kv._delete("dirents", dirent_key(parent, name))
+    kv._delete("dirlist", dirlist_key(parent, cookie))
+
+
+def has_entries(kv, parent: int) -> bool:
+    lo, hi = prefix_range(parent)
+    return next(kv._items("dirlist", lo, hi), None) is not None
+
+
+def list_entries(kv, parent: int, after_cookie: int = 0) -> Iterator[tuple[bytes, int, int]]:
+    """(name, ino, cookie) of parent's entries in listing order, after a cookie."""
+    _, hi = prefix_range(parent)
+    for k, name in kv._items("dirlist", dirlist_key(parent, after_cookie + 1), hi):
+        raw = kv._get("dirents", dirent_key(parent, name))
+        if raw is not None:
+            yield name, dirent_decode(raw)[0], dirlist_cookie(k)
+
+
+def scan_entries(kv, damaged: Damaged = _raise_damaged
+                 ) -> Iterator[tuple[int, bytes, int, int]]:
+    """(parent, name, ino, cookie) of every directory entry, in key order."""
+    for k, v in kv._items("dirents", *_ALL):
+        parent, name = read_u64(k[:8]), bytes(k[8:])
+        try:
+            ino, cookie = dirent_decode(v)
+        except FormatError as e:
+            damaged(f"entry {name!r} in {parent}: {e}")
+            continue
+        yield parent, name, ino, cookie
+
+
+def listing_name(kv, parent: int, cookie: int) -> Optional[bytes]:
+    """The name the listing of parent has at cookie, if any."""
+    return kv._get("dirlist", dirlist_key(parent, cookie))
+
+
+def put_listing(kv, parent: int, cookie: int, name: bytes) -> None:
+    """The listing row alone (fsck: an entry missing from the listing order)."""
+    kv._put("dirlist", dirlist_key(parent, cookie), name)
+
+
+def delete_listing(kv, parent: int, cookie: int) -> None:
+    """The listing row alone (fsck: a row with no entry, or a second one)."""
+    kv._delete("dirlist", dirlist_key(parent, cookie))
+
+
+def scan_listing(kv) -> Iterator[tuple[int, int, bytes]]:
+    """(parent, cookie, name) of every listing row, in key order."""
+    for k, name in kv._items("dirlist", *_ALL):
+        parent, cookie = _U64x2.unpack(k)
+        yield parent, cookie, bytes(name)
+
+
+# -- symlinks
+
+def get_symlink(kv, ino: int) -> Optional[bytes]:
+    return kv._get("symlinks", ino_key(ino))
+
+
+def put_symlink(kv, ino: int, target: bytes) -> None:
+    kv._put("symlinks", ino_key(ino), target)
+
+
+def delete_symlink(kv, ino: int) -> None:
+    kv._delete("symlinks", ino_key(ino))
+
+
+def scan_symlink_inos(kv) -> Iterator[int]:
+    for k, _ in kv._items("symlinks", *_ALL):
+        yield read_u64(k[:8])
+
+
+# -- xattrs
+
+def get_xattr(kv, ino: int, name: bytes) -> Optional[bytes]:
+    return kv._get("xattrs", xattr_key(ino, name))
+
+
+def put_xattr(kv, ino: int, name: bytes, value: bytes) -> None:
+    kv._put("xattrs", xattr_key(ino, name), value)
+
+
+def delete_xattr(kv, ino: int, name: bytes) -> None:
+    kv._delete("xattrs", xattr_key(ino, name))
+
+
+def xattrs_of(kv, ino: int) -> Iterator[tuple[bytes, bytes]]:
+    """(name, value) of ino's xattrs, in name order."""
+    lo, hi = prefix_range(ino)
+    for k, v in kv._items("xattrs", lo, hi):
+        yield bytes(k[8:]), v
+
+
+def delete_xattrs(kv, ino: int) -> None:
+    lo, hi = prefix_range(ino)
+    for k, _ in list(kv._items("xattrs", lo, hi)):
+        kv._delete("xattrs", k)
+
+
+def scan_xattr_inos(kv) -> Iterator[tuple[int, bytes]]:
+    """(ino, name) of every xattr."""
+    for k, _ in kv._items("xattrs", *_ALL):
+        yield read_u64(k[:8]), bytes(k[8:])
+
+
+# -- orphans (inodes unlinked while open)
+
+def add_orphan(kv, ino: int) -> None:
+    kv._put("orphans", ino_key(ino), b"")
+
+
+def remove_orphan(kv, ino: int) -> None:
+    kv._delete("orphans", ino_key(ino))
+
+
+def orphans(kv) -> list[int]:
+    return [read_u64(k) for k, _ in kv._items("orphans", *_ALL)]
+
+
+# -- extents
+
+def put_extent(kv, ino: int, e: Extent) -> None:
+    kv._put("extents", extent_key(ino, e.file_off), extent_encode(e))
+
+
+def delete_extent(kv, ino: int, file_off: int) -> None:
+    kv._delete("extents", extent_key(ino, file_off))
+
+
+def first_extent(kv, ino: int) -> Optional[Extent]:
+    """The extent at offset 0, if the file has one (an adopted file's only extent)."""
+    raw = kv._get("extents", extent_key(ino, 0))
+    return None if raw is None else extent_decode(extent_key(ino, 0), raw)
+
+
+def scan_extents(kv, damaged: Damaged = _raise_damaged) -> Iterator[tuple[int, Extent]]:
+    """(ino, extent) of every extent, in key order."""
+    for k, v in kv._items("extents", *_ALL):
+        try:
+            yield read_u64(k[:8]), extent_decode(k, v)
+        except FormatError as e:
+            damaged(f"inode {read_u64(k[:8])}: {e}")
+
+
+# -- chunks, chunk ids, the log map, packs
+
+def scan_chunks(kv, damaged: Damaged = _raise_damaged) -> Iterator[Chunk]:
+    for k, v in kv._items("chunks", *_ALL):
+        try:
+            yield Chunk.decode(read_u64(k), v)
+        except FormatError as e:
+            damaged(str(e))
+
+
+def name_chunk(kv, chunk_id: bytes, chunk_no: int) -> None:
+    """The id table names chunk_no for chunk_id (tiering names a chunk stored
+    without dedup; fsck mends a missing entry)."""
+    kv._put("chunkids", chunk_id, u64(chunk_no))
+
+
+def unname_chunk(kv, chunk_id: bytes) -> None:
+    kv._delete("chunkids", chunk_id)
+
+
+def scan_chunk_ids(kv) -> Iterator[tuple[bytes, int]]:
+    """(chunk id, chunk no) of every entry of the id table."""
+    for k, v in kv._items("chunkids", bytes(CHUNK_ID_BYTES), b"\xff" * (CHUNK_ID_BYTES + 1)):
+        yield bytes(k), read_u64(v)
+
+
+def map_log(kv, log_off: int, chunk_no: int) -> None:
+    kv._put("logmap", u64(log_off), u64(chunk_no))
+
+
+def unmap_log(kv, log_off: int) -> None:
+    kv._delete("logmap", u64(log_off))
+
+
+def scan_log_map(kv) -> Iterator[tuple[int, int]]:
+    """(log offset, chunk no) of every log map entry."""
+    for k, v in kv._items("logmap", *_ALL):
+        yield read_u64(k), read_u64(v)
+
+
+def scan_pack_numbers(kv) -> Iterator[int]:
+    """Every pack number with a record, decodable or not (`get_pack` decodes)."""
+    for k, _ in kv._items("packs", *_ALL):
+        yield read_u64(k)
+
+
+def scan_packs(kv, damaged: Damaged = _raise_damaged) -> Iterator[PackInfo]:
+    for pack_no in scan_pack_numbers(kv):
+        try:
+            yield get_pack(kv, pack_no)
+        except FormatError as e:
+            damaged(str(e))
+
+
+def entries_by_name(kv, parent: int) -> Iterator[tuple[bytes, Optional[int], Optional[str]]]:
+    """(name, ino, None) of parent's entries in name order; (name, None, why) for
+    an entry whose record cannot be decoded (a snapshot names it as damage)."""
+    lo, hi = prefix_range(parent)
+    for k, v in kv._items("dirents", lo, hi):
+        try:
+            yield bytes(k[8:]), dirent_decode(v)[0], None
+        except FormatError as e:
+            yield bytes(k[8:]), None, str(e)
+
+
+def inode_record(kv, ino: int) -> Optional[bytes]:
+    """The inode's stored record as it is: equal records mean an unchanged inode
+    (a snapshot reuses what it made of it)."""
+    raw = kv._get("inodes", ino_key(ino))
+    return None if raw is None else bytes(raw)

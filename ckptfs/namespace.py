@@ -92,11 +92,11 @@ class Namespace:
             return self.get(parent)
         if name == b"..":
             return self.get(self._dir(parent).parent)
-        raw = self.index.get("dirents", ix.dirent_key(parent, name))
-        if raw is None:
+        entry = ix.lookup_entry(self.index, parent, name)
+        if entry is None:
             self._dir(parent)
             raise NotFound(f"{name!r} not in directory {parent}")
-        return self.get(ix.dirent_decode(raw)[0])
+        return self.get(entry[0])
 
     def _dir(self, ino: int) -> Inode:
         inode = self.get(ino)
@@ -124,7 +124,7 @@ class Namespace:
         """Make a file, directory, symlink or device node named name in parent."""
         self._check_new_name(parent, name)
         pdir = self._dir(parent)
-        if self.index.get("dirents", ix.dirent_key(parent, name)) is not None:
+        if ix.has_entry(self.index, parent, name):
             raise AlreadyExists(f"{name!r} exists in directory {parent}")
         if pdir.mode & stat.S_ISGID:
             # BSD group semantics on setgid directories, as ext4 does.
@@ -140,26 +140,23 @@ class Namespace:
                       parent=parent if is_dir else 0)
         if target is not None:
             inode.size = len(target)
-            self.index.put("symlinks", ix.ino_key(ino), target)
+            ix.put_symlink(self.index, ino, target)
         self.put(inode)
         self._add_entry(pdir, name, ino, now_ns, subdir=is_dir)
         return inode
 
     def _add_entry(self, pdir: Inode, name: bytes, ino: int, now_ns: int, subdir: bool) -> None:
         cookie = self.index.allocate_id(b"next_cookie")
-        self.index.put("dirents", ix.dirent_key(pdir.ino, name), ix.dirent_value(ino, cookie))
-        self.index.put("dirlist", ix.dirlist_key(pdir.ino, cookie), name)
+        ix.add_entry(self.index, pdir.ino, name, ino, cookie)
         if subdir:
             pdir.nlink += 1
         pdir.mtime_ns = pdir.ctime_ns = now_ns
         self.put(pdir)
 
     def _remove_entry(self, pdir: Inode, name: bytes, now_ns: int, subdir: bool) -> None:
-        raw = self.index.get("dirents", ix.dirent_key(pdir.ino, name))
-        assert raw is not None
-        _, cookie = ix.dirent_decode(raw)
-        self.index.delete("dirents", ix.dirent_key(pdir.ino, name))
-        self.index.delete("dirlist", ix.dirlist_key(pdir.ino, cookie))
+        entry = ix.lookup_entry(self.index, pdir.ino, name)
+        assert entry is not None
+        ix.remove_entry(self.index, pdir.ino, name, entry[1])
         if subdir:
             pdir.nlink -= 1
         pdir.mtime_ns = pdir.ctime_ns = now_ns
@@ -175,7 +172,7 @@ class Namespace:
         if inode.nlink >= LINK_MAX:
             raise TooManyLinks(f"inode {ino} has {inode.nlink} links")
         pdir = self._dir(parent)
-        if self.index.get("dirents", ix.dirent_key(parent, name)) is not None:
+        if ix.has_entry(self.index, parent, name):
             raise AlreadyExists(f"{name!r} exists in directory {parent}")
         inode.nlink += 1
         inode.ctime_ns = now_ns
@@ -208,12 +205,11 @@ class Namespace:
         child.nlink = 0
         child.ctime_ns = now_ns
         self.put(child)
-        self.index.put("orphans", ix.ino_key(child.ino), b"")
+        ix.add_orphan(self.index, child.ino)
         return child
 
     def _check_empty(self, ino: int) -> None:
-        lo, hi = ix.prefix_range(ino)
-        for _ in self.index.items("dirlist", lo, hi):
+        if ix.has_entries(self.index, ino):
             raise NotEmpty(f"directory {ino} is not empty")
 
     def _drop_link(self, inode: Inode, now_ns: int) -> Inode:
@@ -223,22 +219,15 @@ class Namespace:
         if inode.nlink == 0:
             # Kept until the last open handle and kernel reference are gone;
             # the orphan record lets the next mount finish the job after a crash.
-            self.index.put("orphans", ix.ino_key(inode.ino), b"")
+            ix.add_orphan(self.index, inode.ino)
         return inode
 
     def delete_inode(self, ino: int) -> None:
         """Drop an unlinked inode's record, xattrs and symlink target."""
-        key = ix.ino_key(ino)
-        ix.delete_inode_record(self.index, ino)
-        self.index.delete("symlinks", key)
-        self.index.delete("orphans", key)
-        lo, hi = ix.prefix_range(ino)
-        for k, _ in list(self.index.items("xattrs", lo, hi)):
-            self.index.delete("xattrs", k)
+        ix.delete_inode(self.index, ino)
 
     def orphans(self) -> list[int]:
-        return [ix.read_u64(k) for k, _ in
-                self.index.items("orphans", ix.u64(0), ix.u64((1 << 64) - 1))]
+        return ix.orphans(self.index)
 
     # ---------------------------------------------------------------- rename
 
@@ -251,8 +240,8 @@ class Namespace:
         src_dir = self._dir(old_parent)
         dst_dir = src_dir if new_parent == old_parent else self._dir(new_parent)
         src = self.lookup(old_parent, old_name)
-        raw = self.index.get("dirents", ix.dirent_key(new_parent, new_name))
-        dst = None if raw is None else self.get(ix.dirent_decode(raw)[0])
+        entry = ix.lookup_entry(self.index, new_parent, new_name)
+        dst = None if entry is None else self.get(entry[0])
         src_is_dir = stat.S_ISDIR(src.mode)
         if src_is_dir and new_parent != old_parent:
             self._check_not_ancestor(src.ino, new_parent)
@@ -285,7 +274,7 @@ class Namespace:
                 dst.nlink = 0
                 dst.ctime_ns = now_ns
                 self.put(dst)
-                self.index.put("orphans", ix.ino_key(dst.ino), b"")
+                ix.add_orphan(self.index, dst.ino)
                 replaced = dst
             else:
                 replaced = self._drop_link(dst, now_ns)
@@ -302,9 +291,7 @@ class Namespace:
         if stat.S_ISDIR(b.mode) and a_dir.ino != b_dir.ino:
             self._check_not_ancestor(b.ino, a_dir.ino)
         for d, name, ino in ((a_dir, a_name, b.ino), (b_dir, b_name, a.ino)):
-            raw = self.index.get("dirents", ix.dirent_key(d.ino, name))
-            _, cookie = ix.dirent_decode(raw)
-            self.index.put("dirents", ix.dirent_key(d.ino, name), ix.dirent_value(ino, cookie))
+            ix.retarget_entry(self.index, d.ino, name, ino)
         if a_dir.ino != b_dir.ino:
             a_sub, b_sub = stat.S_ISDIR(a.mode), stat.S_ISDIR(b.mode)
             a_dir.nlink += b_sub - a_sub
@@ -333,18 +320,12 @@ class Namespace:
 
     def entries(self, parent: int, after_cookie: int) -> Iterator[tuple[bytes, int, int]]:
         """(name, ino, cookie) in cookie order, after the given cookie."""
-        lo = ix.dirlist_key(parent, after_cookie + 1)
-        _, hi = ix.prefix_range(parent)
-        for k, name in self.index.items("dirlist", lo, hi):
-            raw = self.index.get("dirents", ix.dirent_key(parent, name))
-            if raw is None:
-                continue
-            yield name, ix.dirent_decode(raw)[0], ix.dirlist_cookie(k)
+        return ix.list_entries(self.index, parent, after_cookie)
 
     # ----------------------------------------------------------------- links
 
     def readlink(self, ino: int) -> bytes:
-        target = self.index.get("symlinks", ix.ino_key(ino))
+        target = ix.get_symlink(self.index, ino)
         if target is None:
             raise InvalidArgument(f"inode {ino} is not a symlink")
         return target
@@ -354,7 +335,7 @@ class Namespace:
     def getxattr(self, ino: int, name: bytes) -> bytes:
         self.get(ino)
         _check_system_name(name)
-        value = self.index.get("xattrs", ix.xattr_key(ino, name))
+        value = ix.get_xattr(self.index, ino, name)
         if value is None:
             raise NoXattr(f"no xattr {name!r} on inode {ino}")
         return value
@@ -379,32 +360,28 @@ class Namespace:
         else:
             self._check_xattr_room(ino, name, value)
             self.index.admit(ix.GROWTH_PER_RECORD_BYTES + 2 * (len(name) + len(value)))
-            self.index.put("xattrs", ix.xattr_key(ino, name), value)
+            ix.put_xattr(self.index, ino, name, value)
         inode.ctime_ns = now_ns
         self.put(inode)
 
     def _check_xattr_room(self, ino: int, name: bytes, value: bytes) -> None:
-        lo, hi = ix.prefix_range(ino)
-        used = sum(len(k) - len(lo) + len(v) for k, v in self.index.items("xattrs", lo, hi)
-                   if k[len(lo):] != name)
+        used = sum(len(k) + len(v) for k, v in ix.xattrs_of(self.index, ino) if k != name)
         if used + len(name) + len(value) > XATTR_INODE_MAX_BYTES:
             raise NoXattrSpace(f"inode {ino}: xattrs would take {used + len(name) + len(value)} "
                                f"bytes, more than {XATTR_INODE_MAX_BYTES}")
 
     def listxattr(self, ino: int) -> list[bytes]:
         self.get(ino)
-        lo, hi = ix.prefix_range(ino)
-        return [k[8:] for k, _ in self.index.items("xattrs", lo, hi)]
+        return [k for k, _ in ix.xattrs_of(self.index, ino)]
 
     def removexattr(self, ino: int, name: bytes, now_ns: int, uid: int) -> None:
         inode = self.get(ino)
         _check_system_name(name)
         if name.startswith(SYSTEM_PREFIX):
             _check_acl_owner(inode, uid, name)
-        key = ix.xattr_key(ino, name)
-        if self.index.get("xattrs", key) is None:
+        if ix.get_xattr(self.index, ino, name) is None:
             raise NoXattr(f"no xattr {name!r} on inode {ino}")
-        self.index.delete("xattrs", key)
+        ix.delete_xattr(self.index, ino, name)
         inode.ctime_ns = now_ns
         self.put(inode)
 

@@ -302,8 +302,7 @@ class Builder:
 
     def _link(self, parent: int, name: bytes, ino: int) -> None:
         cookie = self._next(b"next_cookie")
-        self.txn.put("dirents", ix.dirent_key(parent, name), ix.dirent_value(ino, cookie))
-        self.txn.put("dirlist", ix.dirlist_key(parent, cookie), name)
+        ix.add_entry(self.txn, parent, name, ino, cookie)
 
     def _xattrs(self, ino: int, xattrs: list[tuple[bytes, bytes]], path: bytes) -> None:
         """Restore what the namespace would have accepted; name what it would not."""
@@ -316,7 +315,7 @@ class Builder:
                 self.report.skip(path, f"xattr {_show(k)}: beyond the {XATTR_INODE_MAX_BYTES} "
                                        "bytes of xattrs an inode may have")
             else:
-                self.txn.put("xattrs", ix.xattr_key(ino, k), v)
+                ix.put_xattr(self.txn, ino, k, v)
 
     def make_dir(self, parent: int, name: bytes, attrs: sf.Attrs) -> int:
         """A new directory in parent; its nlink and times are set by finish_dir."""
@@ -394,9 +393,8 @@ class Builder:
             else:
                 chunk.refcount += 1
                 ix.put_chunk(self.txn, chunk)
-            self.txn.put("extents", ix.extent_key(ino, x.file_off),
-                         ix.extent_encode(Extent(x.file_off, x.length, chunk.chunk_no,
-                                                 x.chunk_off)))
+            ix.put_extent(self.txn, ino, Extent(x.file_off, x.length, chunk.chunk_no,
+                                                x.chunk_off))
             data_bytes += x.length
         ix.put_inode(self.txn, Inode(ino, attrs.mode, 1, attrs.uid, attrs.gid, size=attrs.size,
                                      atime_ns=attrs.atime_ns, mtime_ns=attrs.mtime_ns,
@@ -414,7 +412,7 @@ class Builder:
                                      size=attrs.size, atime_ns=attrs.atime_ns,
                                      mtime_ns=attrs.mtime_ns, ctime_ns=attrs.ctime_ns))
         if stat.S_ISLNK(attrs.mode):
-            self.txn.put("symlinks", ix.ino_key(ino), attrs.target)
+            ix.put_symlink(self.txn, ino, attrs.target)
         self._xattrs(ino, attrs.xattrs, path)
         self._link(parent, name, ino)
         self.links[old_ino] = (ino, sf.fragment(sf.encode_attrs(attrs)))
@@ -440,10 +438,9 @@ class Builder:
                 pack = ix.get_pack(txn, pack_no) or ix.PackInfo(pack_no, 0, 0, 0)
                 pack.size_bytes = size
                 ix.put_pack(txn, pack)
-            for name, value in self.counters.items():
-                txn.put("meta", name, ix.u64_le(value))
+            ix.write_counters(txn, self.counters)
             ix.set_store(txn, backend.store_uuid.bytes, backend.location.encode())
-            txn.put("meta", b"clean", b"1")
+            ix.mark_clean(txn, True)
 
         self.index.write_direct(write)
 

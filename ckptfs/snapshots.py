@@ -203,8 +203,7 @@ class Publisher:
             self._pool, self._writes = pool, deque()
             try:
                 self._walk(view, result)
-                result.packs_named = {ix.read_u64(k) for k, _ in
-                                      view.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))}
+                result.packs_named = set(ix.scan_pack_numbers(view))
                 while self._writes:                # every object durable before the head
                     self._writes.popleft().result()
             except BaseException:
@@ -268,9 +267,8 @@ class Publisher:
 
     def _dir_walk(self, view, ino: int, inode: Inode, name: bytes, result: Published
                   ) -> _DirWalk:
-        lo, hi = ix.prefix_range(ino)
         pager = _Pager(lambda d: self._put(d, result), sf.PAGE_ENTRIES, sf.encode_dir_page)
-        return _DirWalk(ino, inode, name, view.items("dirents", lo, hi), pager)
+        return _DirWalk(ino, inode, name, ix.entries_by_name(view, ino), pager)
 
     def _walk(self, view, result: Published) -> None:
         """Depth first over the durable namespace, no recursion (any depth)."""
@@ -295,11 +293,11 @@ class Publisher:
                 else:
                     result.root = oid
                 continue
-            key, value = item
-            name = bytes(key[8:])
+            name, ino, damage = item
             result.entries += 1
             try:
-                ino = ix.dirent_decode(value)[0]
+                if damage is not None:
+                    raise FormatError(damage)
                 child = ix.get_inode(view, ino)
                 damage = ("no such inode" if child is None else sf.check_name(name) or (
                     "a directory inside itself" if ino in on_stack else None))
@@ -330,7 +328,7 @@ class Publisher:
 
     def _file(self, view, inode: Inode, result: Published) -> tuple[bytes, bool]:
         """The file's object id and whether all its bytes are in the store."""
-        raw = view.get("inodes", ix.ino_key(inode.ino))
+        raw = ix.inode_record(view, inode.ino)
         cached = self._files.get(inode.ino)
         # An unchanged inode record (extents change only with its times and size)
         # gives the same object: if all its bytes were in the store they still
@@ -366,11 +364,10 @@ class Publisher:
 
     @staticmethod
     def _attrs(view, inode: Inode) -> sf.Attrs:
-        lo, hi = ix.prefix_range(inode.ino)
-        xattrs = [(bytes(k[8:]), bytes(v)) for k, v in view.items("xattrs", lo, hi)]
+        xattrs = [(k, bytes(v)) for k, v in ix.xattrs_of(view, inode.ino)]
         target = b""
         if stat.S_ISLNK(inode.mode):
-            target = bytes(view.get("symlinks", ix.ino_key(inode.ino)) or b"")
+            target = bytes(ix.get_symlink(view, inode.ino) or b"")
         return sf.Attrs(inode.mode, inode.uid, inode.gid, inode.atime_ns, inode.mtime_ns,
                         inode.ctime_ns, size=inode.size, rdev=inode.rdev, target=target,
                         xattrs=xattrs)
@@ -452,7 +449,7 @@ def publish_offline(index: Index, backend: Backend, fs_uuid: bytes) -> Published
 
     def reserve(txn: ix.DirectTxn) -> None:
         seq[0] = ix.read_counter(txn, b"next_head")
-        txn.put("meta", b"next_head", ix.u64_le(seq[0] + 1))
+        ix.write_counters(txn, {b"next_head": seq[0] + 1})
 
     index.write_direct(reserve)
     return publisher.publish_blocking(seq[0])

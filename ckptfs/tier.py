@@ -452,10 +452,9 @@ class Tierer:
         names: dict[int, tuple[int, bytes]] = {}
         paths: dict[int, list[bytes]] = {}
         by_parent: dict[int, list[Inode]] = {}
-        for k, v in self.index.items("dirents", ix.u64(0), ix.u64((1 << 64) - 1)):
-            parent, name = ix.read_u64(k[:8]), k[8:]
+        for parent, name, ino, _cookie in ix.scan_entries(
+                self.index, damaged=lambda why: self._damaged_record(FormatError(why))):
             try:
-                ino = ix.dirent_decode(v)[0]
                 inode = ix.get_inode(self.index, ino)
             except FormatError as e:
                 self._damaged_record(e)
@@ -737,8 +736,8 @@ class Tierer:
                         codec=entry.codec, codec_param=entry.param, payload_crc=entry.crc,
                         chunk_id=entry.chunk_id)
             ix.move_chunk(self.index, cur, new)
-            if not cur.chunk_id and self.index.get("chunkids", entry.chunk_id) is None:
-                self.index.put("chunkids", entry.chunk_id, ix.u64(cur.chunk_no))
+            if not cur.chunk_id and ix.find_chunk_no(self.index, entry.chunk_id) is None:
+                ix.name_chunk(self.index, entry.chunk_id, cur.chunk_no)
             self.files.release_after_durable(cur.log_off, cur.length)
             moved += cur.length
             self.moved_chunks += 1
@@ -887,8 +886,7 @@ class Tierer:
         batch; their blobs go with the next snapshot. Returns how many."""
         zombie_packs = {z.pack_no for z in self.files.zombies.values() if z.kind == CHUNK_PACK}
         died = 0
-        for k, v in list(self.index.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))):
-            pack = ix.get_pack(self.index, ix.read_u64(k))
+        for pack in list(ix.scan_packs(self.index)):
             if pack.live_chunks == 0 and pack.pack_no not in zombie_packs:
                 ix.delete_pack(self.index, pack.pack_no)
                 ix.put_dead_pack(self.index, pack.pack_no, time.time_ns())   # crash-proof
@@ -910,14 +908,12 @@ class Tierer:
         by the index must not look like a stray; and the publish lock: a head
         being written must keep every object it names."""
         async with self._busy, self._publishing:
-            dead = sum(1 for k, _ in self.index.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))
-                       if ix.get_pack(self.index, ix.read_u64(k)).live_chunks == 0)
+            dead = sum(1 for pack in ix.scan_packs(self.index) if pack.live_chunks == 0)
             self.collect_garbage()
             await self.index.wait_durable(self.index.current_seq())
             done = await self._publish_locked(force=True)
             named = {packs.pack_name(n) for n in done.packs_named}
-            named |= {packs.pack_name(ix.read_u64(k))
-                      for k, _ in self.index.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))}
+            named |= {packs.pack_name(n) for n in ix.scan_pack_numbers(self.index)}
             stray, temp = await trio.to_thread.run_sync(self._gc_blocking, named,
                                                         limiter=self.limiter)
             # No pass runs (the lock): every intent is a leftover, every dead

@@ -51,7 +51,7 @@ def publish(index: Index, pub: Publisher) -> tuple[float, int]:
 
     def reserve(txn) -> None:
         seq[0] = ix.read_counter(txn, b"next_head")
-        txn.put("meta", b"next_head", ix.u64_le(seq[0] + 1))
+        ix.write_counters(txn, {b"next_head": seq[0] + 1})
 
     index.write_direct(reserve)
     t0 = time.perf_counter()
@@ -94,10 +94,8 @@ def main() -> None:
         rows.append(("fresh", *publish(index, Publisher(index, backend, fs_uuid))))
 
         def touch(txn) -> None:
-            raw = txn.get("dirents", ix.dirent_key(ix.ROOT_INO, b"d0000"))
-            d = ix.dirent_decode(raw)[0]
-            f = ix.get_inode(txn, ix.dirent_decode(txn.get("dirents", ix.dirent_key(
-                d, b"f000000")))[0])
+            d = ix.lookup_entry(txn, ix.ROOT_INO, b"d0000")[0]
+            f = ix.get_inode(txn, ix.lookup_entry(txn, d, b"f000000")[0])
             f.mtime_ns += 1
             ix.put_inode(txn, f)
 

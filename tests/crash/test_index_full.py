@@ -285,14 +285,14 @@ def test_commit_without_room_is_kept_and_retried(tmp_path):
                 nursery.start_soon(index.run_committer, lambda ranges: None,
                                    trio.CapacityLimiter(1))
                 for k, v in values.items():
-                    index.put("xattrs", ix.u64(k), v)
+                    index._put("xattrs", ix.u64(k), v)
                 seq = index.current_seq()
                 with pytest.raises(IndexFull) as info:
                     await index.wait_durable(seq)
                 outcome["errno"] = info.value.errno
                 assert index.failure is None and index.stalled is not None
-                assert index.get("xattrs", ix.u64(7)) == values[7]      # still pending
-                index.put("xattrs", ix.u64(1000), b"later")           # still accepted
+                assert index._get("xattrs", ix.u64(7)) == values[7]      # still pending
+                index._put("xattrs", ix.u64(1000), b"later")           # still accepted
                 filler.unlink()                                        # room again
                 with trio.fail_after(30):
                     while True:
@@ -309,7 +309,7 @@ def test_commit_without_room_is_kept_and_retried(tmp_path):
         index.close()
         again = Index(str(disk / "index"))
         try:
-            assert all(again.get("xattrs", ix.u64(k)) == v for k, v in values.items())
-            assert again.get("xattrs", ix.u64(1000)) == b"later"
+            assert all(again._get("xattrs", ix.u64(k)) == v for k, v in values.items())
+            assert again._get("xattrs", ix.u64(1000)) == b"later"
         finally:
             again.close()

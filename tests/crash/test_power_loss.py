@@ -438,7 +438,7 @@ def log_position(source: Path, name: str, file_off: int) -> int:
     """Where in the log file the byte at file_off of /name lives (unmounted fs)."""
     index = Index(str(source / ".ckptfs" / "index"))
     try:
-        ino = ix.dirent_decode(index.get("dirents", ix.dirent_key(ROOT_INO, name.encode())))[0]
+        ino = ix.dirent_decode(index._get("dirents", ix.dirent_key(ROOT_INO, name.encode())))[0]
         for e in ix.iter_extents(index, ino, file_off, file_off + 1):
             chunk = ix.get_chunk(index, e.chunk_no)
             assert chunk.kind == ix.CHUNK_LOG

@@ -422,12 +422,12 @@ def test_upgrade_records_what_it_reaches_safely(world_dir, make_mount, fsck_clea
 
     def to_format_2(txn):
         """What format 2 wrote: a SOURCE chunk is its head and its paths."""
-        for k, raw in list(txn.items("chunks", ix.u64(0), ix.u64((1 << 64) - 1))):
+        for k, raw in list(txn._items("chunks", ix.u64(0), ix.u64((1 << 64) - 1))):
             chunk = ix.Chunk.decode(ix.read_u64(k), raw)
             if chunk.kind == ix.CHUNK_SOURCE:
-                txn.put("chunks", k, struct.pack("<BIQ", chunk.kind, chunk.refcount,
+                txn._put("chunks", k, struct.pack("<BIQ", chunk.kind, chunk.refcount,
                                                  chunk.length) + chunk.source_path)
-        txn.put("meta", b"format", struct.pack("<I", 2))
+        txn._put("meta", b"format", struct.pack("<I", 2))
 
     try:
         index.write_direct(to_format_2)

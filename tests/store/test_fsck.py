@@ -50,12 +50,12 @@ def plant(m, fn) -> None:
 
 
 def lookup(txn, parent: int, name: bytes) -> tuple[int, int]:
-    return ix.dirent_decode(txn.get("dirents", ix.dirent_key(parent, name)))
+    return ix.dirent_decode(txn._get("dirents", ix.dirent_key(parent, name)))
 
 
 def first_chunk(txn, ino: int) -> ix.Chunk:
     lo, hi = ix.prefix_range(ino)
-    k, v = next(txn.items("extents", lo, hi))
+    k, v = next(txn._items("extents", lo, hi))
     return ix.get_chunk(txn, ix.extent_decode(k, v).chunk_no)
 
 
@@ -82,16 +82,16 @@ def test_leaked_chunk_is_repaired(written):
     def leak(txn):
         ix.add_chunk(txn, ix.Chunk(999, ix.CHUNK_LOG, 1, 4096, log_off=60 << 20,
                                    crcs=b"\0\0\0\0"))
-        txn.put("meta", b"next_chunk", ix.u64_le(1000))
+        txn._put("meta", b"next_chunk", ix.u64_le(1000))
     plant(written, leak)
     expect_repair(written, "referenced by nothing")
 
 
 def test_entry_to_missing_inode_is_removed(written, inproc):
     def dangle(txn):
-        txn.put("dirents", ix.dirent_key(ix.ROOT_INO, b"ghost"), ix.dirent_value(5555, 9999))
-        txn.put("dirlist", ix.dirlist_key(ix.ROOT_INO, 9999), b"ghost")
-        txn.put("meta", b"next_cookie", ix.u64_le(10000))
+        txn._put("dirents", ix.dirent_key(ix.ROOT_INO, b"ghost"), ix.dirent_value(5555, 9999))
+        txn._put("dirlist", ix.dirlist_key(ix.ROOT_INO, 9999), b"ghost")
+        txn._put("meta", b"next_cookie", ix.u64_le(10000))
     plant(written, dangle)
     expect_repair(written, "missing inode 5555")
     assert "ghost" not in inproc(source=written.source).listdir()
@@ -111,8 +111,8 @@ def test_wrong_link_count_is_fixed(written, inproc):
 def test_unreachable_inode_goes_to_lost_found(written, inproc):
     def cut(txn):
         ino, cookie = lookup(txn, ix.ROOT_INO, b"big")
-        txn.delete("dirents", ix.dirent_key(ix.ROOT_INO, b"big"))
-        txn.delete("dirlist", ix.dirlist_key(ix.ROOT_INO, cookie))
+        txn._delete("dirents", ix.dirent_key(ix.ROOT_INO, b"big"))
+        txn._delete("dirlist", ix.dirlist_key(ix.ROOT_INO, cookie))
         cut.ino = ino
     plant(written, cut)
     expect_repair(written, "is in no directory")
@@ -122,12 +122,12 @@ def test_unreachable_inode_goes_to_lost_found(written, inproc):
 def test_orphan_left_by_crash_is_purged(written):
     def orphan(txn):
         ino, cookie = lookup(txn, ix.ROOT_INO, b"big")
-        txn.delete("dirents", ix.dirent_key(ix.ROOT_INO, b"big"))
-        txn.delete("dirlist", ix.dirlist_key(ix.ROOT_INO, cookie))
+        txn._delete("dirents", ix.dirent_key(ix.ROOT_INO, b"big"))
+        txn._delete("dirlist", ix.dirlist_key(ix.ROOT_INO, cookie))
         inode = ix.get_inode(txn, ino)
         inode.nlink = 0
         ix.put_inode(txn, inode)
-        txn.put("orphans", ix.ino_key(ino), b"")
+        txn._put("orphans", ix.ino_key(ino), b"")
     plant(written, orphan)
     expect_repair(written, "[orphans]")
 
@@ -135,13 +135,13 @@ def test_orphan_left_by_crash_is_purged(written):
 def test_missing_log_map_entry_is_restored(written):
     def unmap(txn):
         chunk = first_chunk(txn, lookup(txn, ix.ROOT_INO, b"big")[0])
-        txn.delete("logmap", ix.u64(chunk.log_off))
+        txn._delete("logmap", ix.u64(chunk.log_off))
     plant(written, unmap)
     expect_repair(written, "[logmap]")
 
 
 def test_counter_behind_ids_in_use_is_raised(written):
-    plant(written, lambda txn: txn.put("meta", b"next_ino", ix.u64_le(2)))
+    plant(written, lambda txn: txn._put("meta", b"next_ino", ix.u64_le(2)))
     expect_repair(written, "[counters]")
 
 
@@ -149,7 +149,7 @@ def test_damaged_data_is_reported_not_repaired(written, inproc):
     index = Index(str(written.source / ".ckptfs" / "index"))
     try:
         chunk = first_chunk(index, ix.dirent_decode(
-            index.get("dirents", ix.dirent_key(ix.ROOT_INO, b"big")))[0])
+            index._get("dirents", ix.dirent_key(ix.ROOT_INO, b"big")))[0])
     finally:
         index.close()
     log_path = written.source / ".ckptfs" / "pmem.log"
@@ -172,21 +172,21 @@ def test_missing_chunk_id_entry_is_restored(written):
     def drop(txn):
         chunk = first_chunk(txn, lookup(txn, ix.ROOT_INO, b"big")[0])
         assert chunk.chunk_id
-        txn.delete("chunkids", chunk.chunk_id)
+        txn._delete("chunkids", chunk.chunk_id)
     plant(written, drop)
     expect_repair(written, "missing from the id table")
 
 
 def test_id_entry_naming_the_wrong_chunk_is_removed(written):
     def wrong(txn):
-        txn.put("chunkids", b"\x01" * 32, ix.u64(first_chunk(txn, lookup(
+        txn._put("chunkids", b"\x01" * 32, ix.u64(first_chunk(txn, lookup(
             txn, ix.ROOT_INO, b"big")[0]).chunk_no))
     plant(written, wrong)
     expect_repair(written, "does not hold it")
 
 
 def test_wrong_chunk_totals_are_recounted(written, inproc):
-    plant(written, lambda txn: txn.put("meta", b"stored_log_bytes", ix.u64_le(12345)))
+    plant(written, lambda txn: txn._put("meta", b"stored_log_bytes", ix.u64_le(12345)))
     expect_repair(written, "stored_log_bytes is 12345")
     assert inproc(source=written.source).stats()["stored_bytes"] > 3 << 20
 
@@ -220,10 +220,10 @@ def test_format_3_index_gets_its_file_totals_at_the_next_mount(written, inproc):
 def test_chunk_bytes_that_do_not_match_their_id_are_damage(written):
     def swap(txn):
         chunk = first_chunk(txn, lookup(txn, ix.ROOT_INO, b"big")[0])
-        txn.delete("chunkids", chunk.chunk_id)
+        txn._delete("chunkids", chunk.chunk_id)
         chunk.chunk_id = b"\x02" * 32            # CRCs still match: only the id check sees it
         ix.put_chunk(txn, chunk)
-        txn.put("chunkids", chunk.chunk_id, ix.u64(chunk.chunk_no))
+        txn._put("chunkids", chunk.chunk_id, ix.u64(chunk.chunk_no))
     plant(written, swap)
     res = written.fsck()
     assert res.returncode == LEFT and "do not match the chunk id" in res.stdout, res.stdout
@@ -239,7 +239,7 @@ def test_wrong_pack_record_is_repaired(inproc):
     fs.shutdown()
 
     def wrong(txn):
-        for k, _ in list(txn.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))):
+        for k, _ in list(txn._items("packs", ix.u64(0), ix.u64((1 << 64) - 1))):
             pack = ix.get_pack(txn, ix.read_u64(k))
             pack.live_chunks += 5
             ix.put_pack(txn, pack)
@@ -264,7 +264,7 @@ def _damage_first_log_chunk(m, log_path: Path, name: bytes) -> None:
     index = Index(str(m.source / ".ckptfs" / "index"))
     try:
         chunk = first_chunk(index, ix.dirent_decode(
-            index.get("dirents", ix.dirent_key(ix.ROOT_INO, name)))[0])
+            index._get("dirents", ix.dirent_key(ix.ROOT_INO, name)))[0])
     finally:
         index.close()
     with open(log_path, "r+b") as f:
@@ -329,17 +329,17 @@ def test_fsck_no_data_does_not_claim_the_data_was_checked(written):
 
 def _add_entry(txn, parent: int, name: bytes, ino: int) -> int:
     cookie = ix.read_counter(txn, b"next_cookie")
-    txn.put("meta", b"next_cookie", ix.u64_le(cookie + 1))
-    txn.put("dirents", ix.dirent_key(parent, name), ix.dirent_value(ino, cookie))
-    txn.put("dirlist", ix.dirlist_key(parent, cookie), name)
+    txn._put("meta", b"next_cookie", ix.u64_le(cookie + 1))
+    txn._put("dirents", ix.dirent_key(parent, name), ix.dirent_value(ino, cookie))
+    txn._put("dirlist", ix.dirlist_key(parent, cookie), name)
     return cookie
 
 
 def _rename_entry(txn, parent: int, old: bytes, new: bytes) -> None:
     ino, cookie = lookup(txn, parent, old)
-    txn.delete("dirents", ix.dirent_key(parent, old))
-    txn.put("dirents", ix.dirent_key(parent, new), ix.dirent_value(ino, cookie))
-    txn.put("dirlist", ix.dirlist_key(parent, cookie), new)
+    txn._delete("dirents", ix.dirent_key(parent, old))
+    txn._put("dirents", ix.dirent_key(parent, new), ix.dirent_value(ino, cookie))
+    txn._put("dirlist", ix.dirlist_key(parent, cookie), new)
 
 
 @pytest.mark.parametrize("bad", [b".", b"..", b"", b"a/b", b"nul\0name"])
@@ -362,8 +362,8 @@ def test_dotdot_listed_in_the_root_is_removed(written, inproc):
 def test_name_listed_twice_in_a_directory_is_repaired(written, inproc):
     def twice(txn):
         cookie = ix.read_counter(txn, b"next_cookie")
-        txn.put("meta", b"next_cookie", ix.u64_le(cookie + 1))
-        txn.put("dirlist", ix.dirlist_key(ix.ROOT_INO, cookie), b"big")
+        txn._put("meta", b"next_cookie", ix.u64_le(cookie + 1))
+        txn._put("dirlist", ix.dirlist_key(ix.ROOT_INO, cookie), b"big")
     plant(written, twice)
     expect_repair(written, "twice")
     assert inproc(source=written.source).listdir() == ["big", "d", "hard", "sym"]
@@ -386,7 +386,7 @@ def test_directory_cycle_is_broken(written, inproc):
         root = ix.get_inode(txn, ix.ROOT_INO)
         counters = {n: ix.read_counter(txn, n) for n in (b"next_ino",)}
         a, b = counters[b"next_ino"], counters[b"next_ino"] + 1
-        txn.put("meta", b"next_ino", ix.u64_le(b + 1))
+        txn._put("meta", b"next_ino", ix.u64_le(b + 1))
         for ino, parent in ((a, b), (b, a)):
             ix.put_inode(txn, ix.Inode(ino, 0o40755, 3, 0, 0, parent=parent,
                                        mtime_ns=root.mtime_ns))

@@ -52,12 +52,12 @@ class Damage:
 def _resolve(kv, rel: str) -> int:
     ino = ix.ROOT_INO
     for part in rel.split("/"):
-        ino = ix.dirent_decode(kv.get("dirents", ix.dirent_key(ino, part.encode())))[0]
+        ino = ix.dirent_decode(kv._get("dirents", ix.dirent_key(ino, part.encode())))[0]
     return ino
 
 
 def _put(db: str, key: bytes, value: bytes) -> Callable[[DirectTxn], None]:
-    return lambda txn: txn.put(db, key, value)
+    return lambda txn: txn._put(db, key, value)
 
 
 def _chunk_value(c: Chunk, **change) -> bytes:
@@ -73,10 +73,10 @@ def damages(rng: random.Random, kv, chunks_of: dict[str, set[int]]) -> list[Dama
         extents = list(ix.iter_extents(kv, ino))
         e = rng.choice(extents)
         ekey = ix.extent_key(ino, e.file_off)
-        evalue = kv.get("extents", ekey)
+        evalue = kv._get("extents", ekey)
         c = ix.get_chunk(kv, e.chunk_no)
         ckey = ix.u64(c.chunk_no)
-        cvalue = kv.get("chunks", ckey)
+        cvalue = kv._get("chunks", ckey)
         ctok = f"chunk {c.chunk_no}"
         sharing = frozenset(f for f in FILES if c.chunk_no in chunks_of[f])   # dedup
 
@@ -129,14 +129,14 @@ def damages(rng: random.Random, kv, chunks_of: dict[str, set[int]]) -> list[Dama
             out.append(Damage(f"{rel}: {what}", mine, itok, _put("extents", ekey,
                                                                 ix.extent_encode(ex))))
         inode = ix.get_inode(kv, ino)
-        ivalue = kv.get("inodes", ix.ino_key(ino))
+        ivalue = kv._get("inodes", ix.ino_key(ino))
         out.append(Damage(f"{rel}: inode truncated", mine, itok,
                           _put("inodes", ix.ino_key(ino), ivalue[:rng.randrange(len(ivalue))])))
         huge = dataclasses.replace(inode, size=(1 << 64) - 1)
         out.append(Damage(f"{rel}: inode of 2^64-1 bytes", mine, itok,
                           _put("inodes", ix.ino_key(ino), huge.encode())))
         if c.kind == CHUNK_PACK:
-            praw = kv.get("packs", ix.u64(c.pack_no))
+            praw = kv._get("packs", ix.u64(c.pack_no))
             out.append(Damage(f"{rel}: pack record truncated", mine, f"pack {c.pack_no}",
                               _put("packs", ix.u64(c.pack_no), praw[:rng.randrange(len(praw))])))
     return out

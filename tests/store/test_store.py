@@ -469,9 +469,9 @@ def test_index_damage_is_published_as_such_and_named_by_recover(make_mount, fsck
     try:
         def dangle(txn):
             cookie = ix.read_counter(txn, b"next_cookie")
-            txn.put("meta", b"next_cookie", ix.u64_le(cookie + 1))
-            txn.put("dirents", ix.dirent_key(ix.ROOT_INO, b"ghost"), ix.dirent_value(5555, cookie))
-            txn.put("dirlist", ix.dirlist_key(ix.ROOT_INO, cookie), b"ghost")
+            txn._put("meta", b"next_cookie", ix.u64_le(cookie + 1))
+            txn._put("dirents", ix.dirent_key(ix.ROOT_INO, b"ghost"), ix.dirent_value(5555, cookie))
+            txn._put("dirlist", ix.dirlist_key(ix.ROOT_INO, cookie), b"ghost")
         index.write_direct(dangle)
         with LocalBackend.open(m.source / ".ckptfs" / "store") as backend:
             done = publish_offline(index, backend, index.check_format())
@@ -520,7 +520,7 @@ def test_fsck_raises_a_head_counter_below_the_store_heads(make_mount):
     m.umount()
     index = Index(str(m.source / ".ckptfs" / "index"))
     try:
-        index.write_direct(lambda txn: txn.put("meta", b"next_head", ix.u64_le(0)))
+        index.write_direct(lambda txn: txn._put("meta", b"next_head", ix.u64_le(0)))
     finally:
         index.close()
     res = m.fsck()

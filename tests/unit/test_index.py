@@ -16,7 +16,7 @@ def keys(n: int) -> bytes:
 
 def committed_index(tmp_path, values: dict[int, bytes]) -> Index:
     index = Index(str(tmp_path / "index"))
-    index.write_direct(lambda txn: [txn.put("xattrs", keys(k), v) for k, v in values.items()])
+    index.write_direct(lambda txn: [txn._put("xattrs", keys(k), v) for k, v in values.items()])
     return index
 
 
@@ -28,17 +28,17 @@ def test_items_merges_pending_over_committed_in_both_directions(tmp_path):
     for _ in range(120):
         k = rng.randrange(200)
         if rng.random() < 0.4:
-            index.delete("xattrs", keys(k))
+            index._delete("xattrs", keys(k))
             model.pop(k, None)
         else:
-            index.put("xattrs", keys(k), f"p{k}".encode())
+            index._put("xattrs", keys(k), f"p{k}".encode())
             model[k] = f"p{k}".encode()
     for lo, hi in ((0, 200), (17, 150), (50, 51), (199, 400)):
         want = [(keys(k), model[k]) for k in sorted(model) if lo <= k < hi]
-        assert list(index.items("xattrs", keys(lo), keys(hi))) == want
-        assert list(index.items("xattrs", keys(lo), keys(hi), reverse=True)) == want[::-1]
+        assert list(index._items("xattrs", keys(lo), keys(hi))) == want
+        assert list(index._items("xattrs", keys(lo), keys(hi), reverse=True)) == want[::-1]
     for k in range(200):
-        assert index.get("xattrs", keys(k)) == model.get(k)
+        assert index._get("xattrs", keys(k)) == model.get(k)
     index.close()
 
 
@@ -49,12 +49,12 @@ def test_batches_commit_in_order_and_become_durable(tmp_path):
     async def main():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(index.run_committer, persisted.append, trio.CapacityLimiter(1))
-            index.put("xattrs", keys(1), b"one")
+            index._put("xattrs", keys(1), b"one")
             index.persist_before_commit(4096, 100)
             first = index.current_seq()
             await index.wait_durable(first)
-            index.put("xattrs", keys(1), b"two")
-            index.put("xattrs", keys(2), b"x")
+            index._put("xattrs", keys(1), b"two")
+            index._put("xattrs", keys(2), b"x")
             await index.wait_durable(index.current_seq())
             assert index.durable_seq >= first + 1
             index.stop()
@@ -63,8 +63,8 @@ def test_batches_commit_in_order_and_become_durable(tmp_path):
     assert persisted == [[(4096, 100)]]
     index.close()
     reopened = Index(str(tmp_path / "index"))
-    assert reopened.get("xattrs", keys(1)) == b"two"
-    assert reopened.get("xattrs", keys(2)) == b"x"
+    assert reopened._get("xattrs", keys(1)) == b"two"
+    assert reopened._get("xattrs", keys(2)) == b"x"
     reopened.close()
 
 
@@ -77,7 +77,7 @@ def test_freed_space_callback_runs_only_after_commit(tmp_path):
 
     async def main():
         async with trio.open_nursery() as nursery:
-            index.put("xattrs", keys(3), b"v")
+            index._put("xattrs", keys(3), b"v")
             index.after_durable(lambda: events.append("released"))
             index.persist_before_commit(0, 1)
             nursery.start_soon(index.run_committer, persist, trio.CapacityLimiter(1))
