@@ -4,7 +4,7 @@ The default store lies below the mount (SOURCE/.ckptfs/store): once mounted,
 its path would lead through the mounting daemon itself. A directory fd opened
 before the mount still reaches the real directory (/proc/self/fd/N jumps
 straight to it), so the daemon's store is this backend. It behaves as a
-LocalBackend in every way the conformance suite (tests/test_backing.py)
+LocalBackend in every way the conformance suite (tests/store/test_backing.py)
 checks, and it shows the path it was opened as in its url.
 """
 
