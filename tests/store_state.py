@@ -14,8 +14,7 @@ def store_packs(m) -> tuple[set[str], set[int], set[str], list[Path], set[int]]:
     from ckptfs.packs import pack_name
     idx = ix.Index(str(m.source / ".ckptfs" / "index"))
     try:
-        named = {pack_name(ix.read_u64(k))
-                 for k, _ in idx.items("packs", ix.u64(0), ix.u64((1 << 64) - 1))}
+        named = {pack_name(n) for n in ix.scan_pack_numbers(idx)}
         intents = set(ix.pack_intents(idx))
         dead = set(ix.dead_packs(idx))
     finally:
