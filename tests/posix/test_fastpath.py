@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptfs.mounts import mount_at
+
 CAPS = "security.capability"
 # vfs_cap_data revision 2, effective, permitted CAP_NET_RAW.
 CAP_NET_RAW = struct.pack("<IIIII", 0x02000001, 1 << 13, 0, 0, 0)
@@ -75,7 +77,6 @@ def test_a_write_strips_a_capability_set_after_the_fast_path_answered(make_mount
 def test_read_ahead_is_raised_when_the_mount_returns(make_mount):
     for _ in range(3):
         m = make_mount()
-        dev = next(line.split()[2] for line in open("/proc/self/mountinfo")
-                   if line.split()[4] == os.path.realpath(m.path))
+        dev = mount_at(str(m.path)).device
         assert Path(f"/sys/class/bdi/{dev}/read_ahead_kb").read_text().strip() == "16384"
         m.umount()
