@@ -192,8 +192,8 @@ def test_wrong_chunk_totals_are_recounted(written, inproc):
 
 
 def test_wrong_file_totals_are_recounted(written, inproc):
-    plant(written, lambda txn: (txn.put("meta", b"files", ix.u64_le(7)),
-                                txn.put("meta", b"file_bytes", ix.u64_le(1))))
+    plant(written, lambda txn: (txn._put("meta", b"files", ix.u64_le(7)),
+                                txn._put("meta", b"file_bytes", ix.u64_le(1))))
     expect_repair(written, "files is 7")
     s = inproc(source=written.source).stats()
     assert (s["files"], s["logical_bytes"]) == (2, 5000 + (3 << 20))
@@ -204,9 +204,9 @@ def test_format_3_index_gets_its_file_totals_at_the_next_mount(written, inproc):
     import struct
 
     def to_format_3(txn):
-        txn.delete("meta", b"files")
-        txn.delete("meta", b"file_bytes")
-        txn.put("meta", b"format", struct.pack("<I", 3))
+        txn._delete("meta", b"files")
+        txn._delete("meta", b"file_bytes")
+        txn._put("meta", b"format", struct.pack("<I", 3))
     plant(written, to_format_3)
     res = written.fsck()
     assert res.returncode != 0 and "format 3" in res.stdout + res.stderr

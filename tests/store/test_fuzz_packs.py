@@ -431,8 +431,8 @@ def test_recover_names_what_damaged_packs_cost_and_nothing_more(make_mount, tmp_
     try:
         pack_of = {}
         for name in files:
-            ino = ix.dirent_decode(idx.get("dirents", ix.dirent_key(ix.ROOT_INO,
-                                                                    name.encode())))[0]
+            ino = ix.dirent_decode(idx._get("dirents", ix.dirent_key(ix.ROOT_INO,
+                                                                     name.encode())))[0]
             (pack_of[name],) = {pack_name(ix.get_chunk(idx, e.chunk_no).pack_no)
                                 for e in ix.iter_extents(idx, ino)}
     finally:
