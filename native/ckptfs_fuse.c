@@ -34,10 +34,12 @@
  * comes as soon as the writer has copied its next write() into the page
  * cache, a few microseconds for small writes.  Waited for with the GIL
  * released; meanwhile only the event loop's timers and worker threads'
- * results wait (other requests are read as they come).  Only while the
- * questions come closer together than that on average: a writer of 1 MiB
- * pieces asks once a millisecond or so, and waiting for it would only stall
- * the loop. */
+ * results wait (other requests are read as they come).  Only while waiting
+ * pays (linger_credit): a writer of 1 MiB pieces asks once a millisecond or
+ * so, and waiting for it would only stall the loop.  (An average of the time
+ * between questions decided this before; under load that average grew past
+ * the bound exactly when waiting was needed most, and the fast path fell
+ * back to the loop for good.) */
 #define FP_LINGER_NS 200000L
 
 /* Inodes known to have no security.capability: a direct-mapped set (a
@@ -53,8 +55,14 @@ static int hooked;
 static int init_seen;
 static uint64_t init_unique;
 static int init_replied;
-static struct timespec last_answer;     /* when the last GETXATTR was answered here */
-static long gap_ns;                     /* moving average of the time between them */
+/* Whether waiting pays: waits that saw the next question earn credit, waits
+ * that timed out cost more; without credit, only every FP_PROBE_EVERY-th
+ * answer waits, to notice a writer that became a small-piece writer. */
+#define FP_CREDIT_MAX 16
+#define FP_CREDIT_MISS 4
+#define FP_PROBE_EVERY 64
+static int linger_credit = FP_CREDIT_MAX;
+static unsigned since_probe;
 
 static void bump(size_t i, uint64_t by)
 {
@@ -160,9 +168,16 @@ static ssize_t fp_read(int fd, void *buf, size_t buf_len, void *userdata)
              * question is due: wait a moment for it rather than a trip
              * through the event loop.  Otherwise (or if it does not come)
              * EINTR: pyfuse3 waits for the fd again. */
-            if (answered > 0 && answered < FP_MAX_BURST && gap_ns < FP_LINGER_NS / 2
-                    && elapsed_ns(&start) < FP_MAX_BURST_NS && linger(fd))
-                continue;
+            if (answered > 0 && answered < FP_MAX_BURST && elapsed_ns(&start) < FP_MAX_BURST_NS
+                    && (linger_credit > 0 || ++since_probe >= FP_PROBE_EVERY)) {
+                since_probe = 0;
+                if (linger(fd)) {
+                    if (linger_credit < FP_CREDIT_MAX)
+                        linger_credit++;
+                    continue;
+                }
+                linger_credit = linger_credit > FP_CREDIT_MISS ? linger_credit - FP_CREDIT_MISS : 0;
+            }
             bump(FP_EMPTY_READS, 1);
             errno = EINTR;
             return -1;
@@ -181,9 +196,6 @@ static ssize_t fp_read(int fd, void *buf, size_t buf_len, void *userdata)
         /* ENOENT: the request was interrupted meanwhile, nobody waits for it. */
         answered++;
         bump(FP_FAST_GETXATTR, 1);
-        long gap = last_answer.tv_sec ? elapsed_ns(&last_answer) : 0;
-        gap_ns = (3 * gap_ns + (gap < 1000000000L ? gap : 1000000000L)) / 4;
-        clock_gettime(CLOCK_MONOTONIC, &last_answer);
     }
 }
 
