@@ -124,8 +124,11 @@ QUICK = Sizes(seq_bytes=256 * MiB, seq_block=1 * MiB, small_bytes=16 * MiB, smal
               rand_file_bytes=64 * MiB, rand_writes=2048, shard_bytes=32 * MiB,
               tier_bytes=128 * MiB)
 
-TARGETS = ("raw", "bindfs", "minfs", "ckptfs-close", "ckptfs-lazy", "ckptfs-nodedup")
-DEFAULT_TARGETS = TARGETS[:5]     # ckptfs-nodedup (sync=close, dedup=off) when asked for
+TARGETS = ("raw", "bindfs", "minfs", "ckptfs-close", "ckptfs-lazy", "ckptfs-nodedup",
+           "base-close", "base-lazy")
+# ckptfs-nodedup (sync=close, dedup=off) when asked for; base-close and base-lazy
+# (another checkout's ckptfs, --ckptfs-base DIR: before and after a change in one run)
+DEFAULT_TARGETS = TARGETS[:5]
 CKPTFS_TARGETS = ("ckptfs-close", "ckptfs-lazy")
 BASELINES = ("raw", "bindfs", "minfs")
 WORKLOADS = ("seq", "write_8k", "randwrite_4k", "small_files", "torch", "shards8", "cold_tier",
@@ -386,11 +389,15 @@ def set_read_ahead(mountpoint: Path, kb: int) -> None:
 class CkptfsTarget(Target):
     cannot: dict = {}
 
-    def __init__(self, root: Path, sync: str, pmem_size: str, dedup: bool = True) -> None:
+    def __init__(self, root: Path, sync: str, pmem_size: str, dedup: bool = True,
+                 checkout: Optional[Path] = None) -> None:
         super().__init__(root)
         self.sync = sync
         self.dedup = dedup
         self.name = f"ckptfs-{sync}" if dedup else "ckptfs-nodedup"
+        if checkout is not None:
+            self.name = f"base-{sync}"
+        self.checkout = checkout    # mount with that checkout's mount.ckptfs (its ckptfs)
         self.pmem_size = pmem_size
         self.mount: Optional[Mount] = None
 
@@ -401,6 +408,8 @@ class CkptfsTarget(Target):
         self.mount = Mount(self.workdir, self.workdir,
                            [f"pmem_size={self.pmem_size}", f"sync={self.sync}"]
                            + ([] if self.dedup else ["dedup=off"]))
+        if self.checkout is not None:
+            self.mount.command = (sys.executable, str(self.checkout / "mount.ckptfs"))
         self._mount()
         return self.workdir
 
@@ -672,6 +681,9 @@ class Bench:
             "ckptfs-lazy": CkptfsTarget(self.root, "lazy", args.pmem_size or sizes.pmem_size),
             "ckptfs-nodedup": CkptfsTarget(self.root, "close", args.pmem_size or sizes.pmem_size,
                                            dedup=False),
+            **{f"base-{sync}": CkptfsTarget(self.root, sync, args.pmem_size or sizes.pmem_size,
+                                            checkout=args.ckptfs_base)
+               for sync in ("close", "lazy") if args.ckptfs_base is not None},
         }
         self.samples: dict[str, dict[str, list[float]]] = {
             m: {t: [] for t in TARGETS} for m in METRICS}
@@ -1171,6 +1183,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma-separated subset of {','.join(WORKLOADS)}")
     p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS step")
+    p.add_argument("--ckptfs-base", type=Path, metavar="DIR",
+                   help="another checkout (its native modules built): adds the targets "
+                        "base-close and base-lazy, mounted with its mount.ckptfs")
     p.add_argument("--minfs", default=str(MINFS),
                    help="the bare pyfuse3 daemon for the minfs target (default %(default)s)")
     p.add_argument("--profile", metavar="DIR",
@@ -1180,9 +1195,17 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     args.reps = args.reps or (1 if args.quick else 3)
     args.targets = [t for t in args.targets.split(",") if t]
     args.workloads = [w for w in args.workloads.split(",") if w]
+    if args.ckptfs_base is not None:
+        args.ckptfs_base = args.ckptfs_base.resolve()
+        if not (args.ckptfs_base / "mount.ckptfs").is_file():
+            p.error(f"--ckptfs-base {args.ckptfs_base}: no mount.ckptfs there")
+        if "--targets" not in " ".join(argv if argv is not None else sys.argv):
+            args.targets += ["base-close", "base-lazy"]
     for t in args.targets:
         if t not in TARGETS:
             p.error(f"unknown target {t}")
+        if t.startswith("base-") and args.ckptfs_base is None:
+            p.error(f"target {t} needs --ckptfs-base DIR")
     for w in args.workloads:
         if w not in WORKLOADS:
             p.error(f"unknown workload {w}")
