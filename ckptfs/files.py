@@ -53,6 +53,7 @@ from . import native
 from .chunker import MAX_CHUNK_BYTES, Chunker, chunk_id
 from .errors import CkptfsError, DamagedData, FileTooLarge, SourceRefused
 from .index import CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, Chunk, Extent, Index
+from .overlay import ZERO_CHUNK, Overlay
 from .pmemlog import PmemLog
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,6 @@ log = logging.getLogger(__name__)
 # close and in the next syncfs(2) of the whole filesystem, by any process.
 MAX_FILE_BYTES = (1 << 63) - 1
 CHUNK_STAGED = 0                 # in memory only: never in the index
-ZERO_CHUNK = 0                   # chunk no of an all-zero chunk: stored nowhere, a hole
 ARENA_BYTES = 64 << 20           # log space a write stream reserves at a time
 CUT_READ_BYTES = 4 << 20         # commit-time cutting reads staged bytes this much at a time
 
@@ -176,11 +176,9 @@ class DirtyFile:
 
     ino: int
     size: int
-    extents: list[Extent] = field(default_factory=list)    # sorted, non-overlapping
-    starts: list[int] = field(default_factory=list)         # file_off of each extent
+    overlay: Overlay = field(default_factory=Overlay)   # new extents; FileData sets its owner
     new_chunks: dict[int, Chunk] = field(default_factory=dict)
     staged: dict[int, StagedRecord] = field(default_factory=dict)
-    new_chunk_refs: Counter = field(default_factory=Counter)  # overlay extents per chunk no
     pending_ids: dict[bytes, int] = field(default_factory=dict)   # id -> new chunk no
     stream: Optional[ChunkStream] = None
     trunc_to: Optional[int] = None   # committed bytes at and after this are gone
@@ -198,7 +196,7 @@ class DirtyFile:
 
     @property
     def dirty(self) -> bool:
-        return bool(self.extents) or self.trunc_to is not None or self.mtime_ns is not None
+        return bool(self.overlay) or self.trunc_to is not None or self.mtime_ns is not None
 
 
 AnyChunk = Union[Chunk, StagedRecord]
@@ -433,6 +431,8 @@ class FileData:
         df = self.dirty.get(ino)
         if df is None:
             df = self.dirty[ino] = DirtyFile(ino, size)
+            df.overlay = Overlay(functools.partial(self._first_ref, df),
+                                 functools.partial(self._last_ref, df))
         return df
 
     def prepare_write(self, df: DirtyFile, off: int, nbytes: int) -> WritePlan:
@@ -447,7 +447,7 @@ class FileData:
         streamed = False
         if self.dedup and nbytes:
             stream = df.stream
-            if stream is None and not (df.extents and df.extents[-1].end > off):
+            if stream is None and not df.overlay.end > off:
                 # Nothing written past here yet: a stream may start (also into a
                 # file first grown with ftruncate, as safetensors does).
                 stream = df.stream = ChunkStream(off, off, Chunker(detect_format=off == 0))
@@ -491,7 +491,7 @@ class FileData:
                                log_off=log_off)
                 df.new_chunks[target.chunk_no] = target
                 plan.chunks.append(target)
-            self._put_dirty(df, Extent(off, length, target.chunk_no, 0))
+            df.overlay.put(Extent(off, length, target.chunk_no, 0))
             plan.pieces.append((log_off, pos, length))
             off += length
             pos += length
@@ -541,7 +541,7 @@ class FileData:
         log_off = stream.cursor
         stream.cursor += nbytes
         stream.next_off += nbytes
-        self._put_dirty(df, Extent(off, nbytes, arena.chunk_no, log_off - arena.log_off))
+        df.overlay.put(Extent(off, nbytes, arena.chunk_no, log_off - arena.log_off))
         plan.pieces.append((log_off, pos, nbytes))
         plan.chunks.append(None)
         plan.stream, plan.stream_pos, plan.cut_at = stream, pos, cut_at
@@ -564,7 +564,7 @@ class FileData:
         self._maybe_retire(df, staged)
 
     def _maybe_retire(self, df: DirtyFile, staged: StagedRecord) -> None:
-        if staged.held or df.new_chunk_refs.get(staged.chunk_no, 0) > 0:
+        if staged.held or df.overlay.refs.get(staged.chunk_no, 0) > 0:
             return
         del df.staged[staged.chunk_no]
         for off, length in staged.owned:
@@ -660,16 +660,17 @@ class FileData:
     def settle(self, df: DirtyFile, infos: list[ChunkInfo]) -> None:
         """Turn named chunks of staged bytes into chunks, stored once."""
         freed: list[tuple[int, int]] = []
+        ov = df.overlay
         for info in infos:
             staged = df.staged.get(info.staged_no)
             if staged is None:
                 continue                     # retired: nothing points at these bytes
             a, b = info.file_off, info.file_off + info.length
-            i = bisect.bisect_right(df.starts, a) - 1
-            whole = i >= 0 and df.extents[i].chunk_no == staged.chunk_no and \
-                df.extents[i].end >= b       # the usual case: one staged extent holds it all
-            covering = [df.extents[i]] if whole else \
-                [e for e in self._dirty_in(df, a, b) if e.chunk_no == staged.chunk_no]
+            i = ov.index_at(a)
+            whole = i is not None and ov.extents[i].chunk_no == staged.chunk_no and \
+                ov.extents[i].end >= b       # the usual case: one staged extent holds it all
+            covering = [ov.extents[i]] if whole else \
+                [e for e in ov.within(a, b) if e.chunk_no == staged.chunk_no]
             if not covering or not staged.take(info.log_off, info.length):
                 continue                     # overwritten meanwhile: retires with the record
             # A chunk with these bytes already stored (committed, or new in this file)?
@@ -694,11 +695,11 @@ class FileData:
                 else:
                     freed.append((info.log_off, info.length))
             if whole:
-                self._split_in(df, i, a, b, target)
+                ov.retarget(i, a, b, target)
                 continue
             for e in covering:
                 s, t = max(e.file_off, a), min(e.end, b)
-                self._put_dirty(df, Extent(s, t - s, target, s - a))
+                ov.put(Extent(s, t - s, target, s - a))
         for off, length in freed:
             self._release(df, off, length, stored=True)
 
@@ -706,10 +707,10 @@ class FileData:
         """Every staged byte range the overlay still points at, for `cut_blocking`."""
         ranges: list[tuple[int, int, int, int]] = []
         for staged in list(df.staged.values()):
-            if not df.new_chunk_refs.get(staged.chunk_no):
+            if not df.overlay.refs.get(staged.chunk_no):
                 continue
             lo = staged.file_base
-            for e in self._dirty_in(df, lo, lo + staged.length):
+            for e in df.overlay.within(lo, lo + staged.length):
                 if e.chunk_no != staged.chunk_no:
                     continue
                 log_off = staged.log_off + e.chunk_off
@@ -720,71 +721,13 @@ class FileData:
                     ranges.append((staged.chunk_no, e.file_off, e.length, log_off))
         return ranges
 
-    def _split_in(self, df: DirtyFile, i: int, a: int, b: int, target: int) -> None:
-        """Overlay extent i holds [a, b): that part now names chunk `target`."""
-        e = df.extents[i]
-        new = []
-        if e.file_off < a:
-            new.append(Extent(e.file_off, a - e.file_off, e.chunk_no, e.chunk_off))
-        new.append(Extent(a, b - a, target, 0))
-        if e.end > b:
-            new.append(Extent(b, e.end - b, e.chunk_no, e.chunk_off + (b - e.file_off)))
-        df.extents[i:i + 1] = new
-        df.starts[i:i + 1] = [x.file_off for x in new]
-        self._add_dirty_ref(df, target)
-        self._drop_dirty_ref(df, e.chunk_no, len(new) - 2)
-
-    def _dirty_in(self, df: DirtyFile, a: int, b: int) -> list[Extent]:
-        i = max(bisect.bisect_right(df.starts, a) - 1, 0)
-        out = []
-        while i < len(df.extents) and df.extents[i].file_off < b:
-            e = df.extents[i]
-            if e.end > a:
-                out.append(e)
-            i += 1
-        return out
-
-    def _put_dirty(self, df: DirtyFile, e: Extent) -> None:
-        self._cut_dirty(df, e.file_off, e.end)
-        i = bisect.bisect_left(df.starts, e.file_off)
-        df.extents.insert(i, e)
-        df.starts.insert(i, e.file_off)
-        self._add_dirty_ref(df, e.chunk_no)
-
-    def _add_dirty_ref(self, df: DirtyFile, chunk_no: int) -> None:
-        if chunk_no == ZERO_CHUNK:
-            return
-        if not df.new_chunk_refs[chunk_no] and chunk_no > 0 and chunk_no not in df.new_chunks:
+    def _first_ref(self, df: DirtyFile, chunk_no: int) -> None:
+        """df's overlay names chunk_no for the first time."""
+        if chunk_no > 0 and chunk_no not in df.new_chunks:
             self.pinned[chunk_no] += 1        # a stored chunk: keep its bytes for us
-        df.new_chunk_refs[chunk_no] += 1
 
-    def _cut_dirty(self, df: DirtyFile, a: int, b: int) -> None:
-        """Remove [a, b) from the overlay, trimming extents that straddle it."""
-        i = max(bisect.bisect_right(df.starts, a) - 1, 0)
-        while i < len(df.extents):
-            e = df.extents[i]
-            if e.file_off >= b:
-                break
-            if e.end <= a:
-                i += 1
-                continue
-            keep = []
-            if e.file_off < a:
-                keep.append(Extent(e.file_off, a - e.file_off, e.chunk_no, e.chunk_off))
-            if e.end > b:
-                keep.append(Extent(b, e.end - b, e.chunk_no, e.chunk_off + (b - e.file_off)))
-            df.extents[i:i + 1] = keep
-            df.starts[i:i + 1] = [k.file_off for k in keep]
-            self._drop_dirty_ref(df, e.chunk_no, len(keep) - 1)
-            i += len(keep)
-
-    def _drop_dirty_ref(self, df: DirtyFile, chunk_no: int, delta: int) -> None:
-        if chunk_no == ZERO_CHUNK:
-            return
-        df.new_chunk_refs[chunk_no] += delta
-        if df.new_chunk_refs[chunk_no] > 0:
-            return
-        del df.new_chunk_refs[chunk_no]
+    def _last_ref(self, df: DirtyFile, chunk_no: int) -> None:
+        """df's overlay no longer names chunk_no."""
         if chunk_no < 0:
             staged = df.staged.get(chunk_no)
             if staged is not None:
@@ -860,7 +803,7 @@ class FileData:
     def truncate_dirty(self, df: DirtyFile, size: int) -> None:
         if df.stream is not None and size < df.stream.next_off:
             self.end_stream(df)
-        self._cut_dirty(df, size, MAX_FILE_BYTES)
+        df.overlay.cut(size, MAX_FILE_BYTES)
         if size < df.size:
             df.trunc_to = size if df.trunc_to is None else min(df.trunc_to, size)
         df.size = size
@@ -868,7 +811,7 @@ class FileData:
     def discard(self, df: DirtyFile) -> None:
         """Forget uncommitted changes (file unlinked, or daemon giving up)."""
         self.end_stream(df)
-        self._cut_dirty(df, 0, MAX_FILE_BYTES)
+        df.overlay.clear()
         self.dirty.pop(df.ino, None)
 
     # ------------------------------------------------------------------ reads
@@ -885,12 +828,7 @@ class FileData:
         if df is not None:
             if df.trunc_to is not None:
                 committed_end = min(end, df.trunc_to)
-            i = max(bisect.bisect_right(df.starts, off) - 1, 0)
-            while i < len(df.extents) and df.extents[i].file_off < end:
-                e = df.extents[i]
-                i += 1
-                if e.end <= off:
-                    continue
+            for e in df.overlay.within(off, end):
                 a = max(e.file_off, off)
                 if a > pos:
                     self._committed_pieces(ino, pos, min(a, committed_end), off, pieces)
@@ -955,16 +893,14 @@ class FileData:
 
         The caller waited for df.idle and cut every staged byte into chunks.
         """
-        if df.staged and any(df.new_chunk_refs.get(no) for no in df.staged):
+        ov = df.overlay
+        if df.staged and any(ov.refs.get(no) for no in df.staged):
             raise CkptfsError(f"inode {df.ino}: uncut bytes at commit (internal error)")
-        pinned = [no for no in df.new_chunk_refs if no > 0 and no not in df.new_chunks]
+        pinned = [no for no in ov.refs if no > 0 and no not in df.new_chunks]
         twins = self._committed_twins(df)
-        refs: Counter = Counter()
-        for i, e in enumerate(df.extents):
-            if e.chunk_no in twins:
-                e = df.extents[i] = Extent(e.file_off, e.length, twins[e.chunk_no], e.chunk_off)
-            if e.chunk_no != ZERO_CHUNK:
-                refs[e.chunk_no] += 1
+        extents = [Extent(e.file_off, e.length, twins[e.chunk_no], e.chunk_off)
+                   if e.chunk_no in twins else e for e in ov]
+        refs: Counter = Counter(e.chunk_no for e in extents if e.chunk_no != ZERO_CHUNK)
         # References to stored chunks first: a file rewritten with bytes it
         # already had never takes those chunks to zero on the way.
         for chunk_no, n in refs.items():
@@ -974,7 +910,7 @@ class FileData:
             inode.data_bytes -= self._punch(df.ino, df.trunc_to, MAX_FILE_BYTES)
         # A new file or an O_TRUNC rewrite has nothing left to punch out.
         overwrites = next(ix.iter_extents(self.index, df.ino), None) is not None
-        for e in df.extents:
+        for e in extents:
             if overwrites:
                 inode.data_bytes -= self._punch(df.ino, e.file_off, e.end)
             if e.chunk_no == ZERO_CHUNK:
@@ -994,9 +930,7 @@ class FileData:
             inode.mtime_ns = df.mtime_ns
             inode.ctime_ns = df.ctime_ns or now_ns
         ix.put_inode(self.index, inode)
-        df.extents.clear()
-        df.starts.clear()
-        df.new_chunk_refs.clear()
+        ov.hand_over()              # the index holds every reference now
         df.pending_ids.clear()
         df.trunc_to = None
         df.mtime_ns = df.ctime_ns = None
@@ -1006,9 +940,9 @@ class FileData:
     def commit_growth_bytes(df: DirtyFile) -> int:
         """The most `commit_file` of df may add to the index: a record per extent
         and per new chunk (with its id and log map entries), and the inode."""
-        if not df.extents:
+        if not df.overlay:
             return 0            # a truncation or new times only: nothing grows
-        records = len(df.extents) + 3 * len(df.new_chunks)
+        records = len(df.overlay) + 3 * len(df.new_chunks)
         return ix.GROWTH_PER_FILE_COMMIT_BYTES + records * ix.GROWTH_PER_RECORD_BYTES
 
     def _committed_twins(self, df: DirtyFile) -> dict[int, int]:
@@ -1028,7 +962,7 @@ class FileData:
         # A zombie we point at lost its id entry when it was deleted; if the
         # same bytes were stored again since, use that chunk: storing the
         # zombie again would leave two chunks with one id.
-        for chunk_no in list(df.new_chunk_refs):
+        for chunk_no in list(df.overlay.refs):
             zombie = self.zombies.get(chunk_no)
             if zombie is not None and zombie.chunk_id:
                 stored = ix.find_chunk(self.index, zombie.chunk_id)
