@@ -7,7 +7,7 @@ original path and records the original's device and inode, so a 1 TB
 directory adopts in the time it takes to list it. Writes through the mount
 land in the log like any other; when the last reference to an adopted file's
 bytes goes (unlink, overwrite, truncate), the original file is removed so its
-disk space comes back (`files.SourceFiles`, which also refuses an original
+disk space comes back (`sources.SourceFiles`, which also refuses an original
 that is no longer the file adopted).
 
 Other users may be changing the tree while it is walked. The walk never

@@ -5,9 +5,11 @@ owns what only exists while mounted: open handles, kernel lookup counts, the
 commit policy (sync=close / sync=lazy) and the worker-thread limiters. It
 raises the project's exceptions; `fuse_ops` maps them to errno.
 
-Runs on the trio thread. Byte work above SMALL_IO_BYTES goes to worker
-threads under `io_limiter`; commits go through the index's committer under
-`commit_limiter` (one LMDB write transaction at a time).
+Runs on the trio thread and never blocks: file data (`files.FileData`)
+offloads its byte work to worker threads under `io_limiter`; commits go
+through the index's committer under `commit_limiter` (one LMDB write
+transaction at a time). Core reaches an open file's changes only through
+FileData's calls: it never reads or sets their fields.
 """
 
 from __future__ import annotations
@@ -17,21 +19,23 @@ import os
 import stat
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import trio
 
 from . import index as ix
-from .errors import (BadFileHandle, CkptfsError, DamagedData, IndexFull,
-                     InvalidArgument, IsADirectory, NoSpace, ReadOnly)
-from .files import DirtyFile, FileData, SourceFiles, WritePlan
+from .errors import BadFileHandle, IndexFull, InvalidArgument, IsADirectory, ReadOnly
+from .files import FileData
 from .index import Index, Inode
 from .namespace import Namespace
 from .pmemlog import SUPERBLOCK_BYTES, PmemLog
+from .sources import SourceFiles
+
+if TYPE_CHECKING:
+    from .coldstore import ColdStore, Prefetcher
 
 log = logging.getLogger(__name__)
 
-SMALL_IO_BYTES = 64 * 1024
 # What creating a name may add to the index: inode, entry, listing entry.
 NODE_GROWTH_BYTES = 4 * ix.GROWTH_PER_RECORD_BYTES
 
@@ -74,23 +78,24 @@ class Attrs:
 
 class Filesystem:
     def __init__(self, index: Index, plog: PmemLog, sources: SourceFiles,
-                 policy: CommitPolicy, dedup: bool = True) -> None:
+                 policy: CommitPolicy, dedup: bool = True,
+                 cold: Optional["ColdStore"] = None,
+                 prefetcher: Optional["Prefetcher"] = None) -> None:
         self.index = index
         self.log = plog
         self.ns = Namespace(index)
-        self.files = FileData(index, plog, sources, dedup=dedup)
+        self.io_limiter = trio.CapacityLimiter(4)
+        self.files = FileData(index, plog, sources, dedup=dedup, cold=cold,
+                              prefetcher=prefetcher, io_limiter=self.io_limiter)
         self.policy = policy
         self.handles: dict[int, Handle] = {}
         self.open_count: dict[int, int] = {}
         self.lookups: dict[int, int] = {}
         self._next_fh = 1
-        self.io_limiter = trio.CapacityLimiter(4)
         self.commit_limiter = trio.CapacityLimiter(1)
         self.started_at = time.time()
         self.errors_by_kind: dict[str, int] = {}
         self.tierer = None          # tier.Tierer when a backing store is attached
-        self._prefetch_horizon: dict[int, int] = {}   # ino -> file offset prefetched to
-        self._log_full_warned_at = -1e9
 
     # ------------------------------------------------------------- lifecycle
 
@@ -120,15 +125,14 @@ class Filesystem:
 
     async def shutdown(self) -> None:
         """Commit what was closed, purge orphans, mark clean. Committer keeps running."""
-        for ino in list(self.files.dirty):
+        for ino in list(self.files.dirty_files):
             try:
                 if self.open_count.get(ino):
                     # Still open: the daemon is being stopped under its writer (a
                     # signal). Never closed nor fsync'ed, so as after a crash it
                     # keeps its last committed content.
-                    df = await self._settled(ino)
-                    if df is not None:
-                        self.files.discard(df)
+                    await self.files.quiesced(ino)
+                    self.files.discard(ino)
                     continue
                 await self._commit(ino)
             except Exception as e:  # keep going: the rest still deserves a commit
@@ -155,12 +159,12 @@ class Filesystem:
 
     def attrs(self, ino: int) -> Attrs:
         inode = self.ns.get(ino)
-        df = self.files.dirty.get(ino)
-        if df is None:
+        changed = self.files.open_attrs(ino)
+        if changed is None:
             return Attrs(inode, inode.size, inode.mtime_ns, inode.ctime_ns, inode.data_bytes)
+        size, mtime_ns, ctime_ns = changed
         # Until commit, count the whole new size as data: du may overstate holes.
-        return Attrs(inode, df.size, df.mtime_ns or inode.mtime_ns, df.ctime_ns or inode.ctime_ns,
-                     df.size)
+        return Attrs(inode, size, mtime_ns or inode.mtime_ns, ctime_ns or inode.ctime_ns, size)
 
     def lookup(self, parent: int, name: bytes) -> Attrs:
         inode = self.ns.lookup(parent, name)
@@ -177,7 +181,7 @@ class Filesystem:
             self.lookups[ino] = left
             return
         self.lookups.pop(ino, None)
-        self._prefetch_horizon.pop(ino, None)
+        self.files.forget(ino)
         self._maybe_purge(ino)
 
     def setattr(self, ino: int, *, mode: Optional[int] = None, uid: Optional[int] = None,
@@ -191,13 +195,9 @@ class Filesystem:
                 raise IsADirectory("truncate of a directory")
             if not stat.S_ISREG(inode.mode):
                 raise InvalidArgument("truncate of a special file")
-            df = self.files.dirty.get(ino)
-            if df is None and self.open_count.get(ino):
-                df = self.files.dirty_file(ino, inode.size)
-            if df is not None:
+            if self.open_count.get(ino) or self.files.open_attrs(ino) is not None:
                 # An open file's truncate commits with its data, atomically.
-                self.files.truncate_dirty(df, size)
-                df.mtime_ns = df.ctime_ns = now
+                self.files.truncate_open(ino, size, now, inode.size)
             else:
                 self.files.truncate_committed(inode, size)
                 inode.mtime_ns = inode.ctime_ns = now
@@ -211,9 +211,7 @@ class Filesystem:
             inode.atime_ns = atime_ns
         if mtime_ns is not None:
             inode.mtime_ns = mtime_ns
-            df = self.files.dirty.get(ino)
-            if df is not None and df.mtime_ns is not None:
-                df.mtime_ns = mtime_ns
+            self.files.set_open_mtime(ino, mtime_ns)
         inode.ctime_ns = ctime_ns if ctime_ns is not None else now
         self.ns.put(inode)
         return self.attrs(ino)
@@ -261,9 +259,7 @@ class Filesystem:
             self._purge(ino)
 
     def _purge(self, ino: int) -> None:
-        df = self.files.dirty.get(ino)
-        if df is not None:
-            self.files.discard(df)
+        self.files.discard(ino)
         self.files.remove_all(ino)
         self.ns.delete_inode(ino)
 
@@ -274,10 +270,7 @@ class Filesystem:
         if stat.S_ISDIR(inode.mode):
             raise IsADirectory("open of a directory for I/O")
         if flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY:
-            df = self.files.dirty_file(ino, inode.size)
-            if df.size:
-                self.files.truncate_dirty(df, 0)
-            df.mtime_ns = df.ctime_ns = self.now_ns()
+            self.files.truncate_open(ino, 0, self.now_ns(), inode.size)
         return self._new_handle(ino, flags)
 
     def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int
@@ -301,180 +294,33 @@ class Filesystem:
     async def write(self, fh: int, off: int, data: bytes) -> int:
         if self.index.failure is not None:
             raise ReadOnly("filesystem is read-only after an index failure")
-        h = self.handle(fh)
-        while True:
-            df = self.files.dirty.get(h.ino)
-            if df is None:
-                df = self.files.dirty_file(h.ino, self.ns.get(h.ino).size)
-            if df.committing is None:
-                break
-            await df.committing.wait()      # a commit is cutting this file's chunks
-        try:
-            # Its commit will need index room: say ENOSPC now, as a full disk does.
-            self.index.check_room()
-            try:
-                plan = self.files.prepare_write(df, off, len(data))
-            except NoSpace:
-                if self.tierer is None:
-                    raise
-                # Backpressure: wait while tiering moves cold data out.
-                await self.tierer.make_room(len(data))
-                if self.files.dirty.get(h.ino) is not df:
-                    raise NoSpace("the file changed while waiting for log space") from None
-                plan = self.files.prepare_write(df, off, len(data))
-        except CkptfsError as e:
-            # A file that lost a write must not commit half of its new content.
-            df.write_error = e
-            if isinstance(e, NoSpace) and not isinstance(e, IndexFull) \
-                    and time.monotonic() - self._log_full_warned_at > 60:
-                self._log_full_warned_at = time.monotonic()
-                log.warning("log full (%d of %d bytes free): writes fail with ENOSPC until "
-                            "files are deleted", self.log.free_bytes, self.log.capacity_bytes)
-            raise
-        df.mtime_ns = df.ctime_ns = self.now_ns()
-        if df.inflight == 0:
-            df.idle = trio.Event()
-        df.inflight += 1
-        try:
-            if plan.stream is not None:
-                await self._store_streamed(df, plan, data)
-            elif len(data) > SMALL_IO_BYTES:
-                await trio.to_thread.run_sync(self.files.store_blocking, plan, data,
-                                              limiter=self.io_limiter)
-            else:
-                self.files.store_blocking(plan, data)
-        except BaseException as e:
-            # Cancelled (a request aborted at unmount), an I/O error, anything:
-            # the bytes may not be in the log, so this content must never commit.
-            df.write_error = e
-            if plan.stream is not None and df.stream is plan.stream:
-                self.files.end_stream(df)       # the chunker missed these bytes
-            if isinstance(e, OSError):
-                raise DamagedData(f"log write failed: {e}") from e
-            raise
-        finally:
-            df.inflight -= 1
-            if df.inflight == 0:
-                self.files.io_settled(df)
-                df.idle.set()
-        self.files.bytes_written += len(data)
+        ino = self.handle(fh).ino
+        # Backpressure: a write that finds the log full waits while tiering
+        # moves cold data out.
+        await self.files.write(ino, off, data, size=lambda: self.ns.get(ino).size,
+                               clock=self.now_ns,
+                               make_room=None if self.tierer is None else self.tierer.make_room)
         return len(data)
-
-    async def _store_streamed(self, df: DirtyFile, plan: WritePlan, data: bytes) -> None:
-        """Store a stream write and settle the chunks it completes (fed in arrival order)."""
-        stream = plan.stream
-        if len(data) <= SMALL_IO_BYTES and stream.next_ticket == plan.ticket:
-            infos = self.files.store_stream_blocking(plan, data)   # nobody ahead of us
-        else:
-            infos = await trio.to_thread.run_sync(self.files.store_stream_blocking, plan, data,
-                                                  limiter=self.io_limiter)
-        self.files.settle(df, infos)
-
-    async def _settled(self, ino: int) -> Optional[DirtyFile]:
-        """The file's overlay once no write or commit is in flight (None if clean)."""
-        while True:
-            df = self.files.dirty.get(ino)
-            if df is None:
-                return None
-            if df.inflight:
-                await df.idle.wait()
-            elif df.committing is not None:
-                await df.committing.wait()
-            else:
-                return df
 
     async def read(self, fh: int, off: int, size: int) -> bytes | bytearray:
         ino = self.handle(fh).ino
-        df = await self._settled(ino)
-        attrs = self.attrs(ino)
-        length, pieces = self.files.read_plan(ino, off, size, attrs.size)
-        if not pieces:
-            return bytes(length)
-        if self.tierer is not None and any(p.chunk.kind == ix.CHUNK_PACK for p in pieces):
-            self.tierer.prefetch(self._cold_ahead(ino, off + size, attrs.size))
-        if df is not None:
-            df.readers += 1         # keeps uncommitted space it reads from being reused
-        epoch = self.files.begin_read()   # ... and committed space freed meanwhile
-        try:
-            if length > SMALL_IO_BYTES:
-                data = await trio.to_thread.run_sync(self.files.read_blocking, length, pieces,
-                                                     limiter=self.io_limiter)
-            else:
-                data = self.files.read_blocking(length, pieces)
-        finally:
-            self.files.end_read(epoch)
-            if df is not None:
-                df.readers -= 1
-                self.files.io_settled(df)
-        self.files.bytes_read += length
-        return data
-
-    def _cold_ahead(self, ino: int, off: int, file_size: int) -> list[ix.Chunk]:
-        """Cold chunks a sequential reader of ino will want next, not asked for yet.
-
-        Each read continues from where the last one's look-ahead stopped, so a
-        sequential restore scans every extent once, not once per read.
-        """
-        want = self.tierer.policy.prefetch_chunks
-        horizon = self._prefetch_horizon.get(ino, 0)
-        if horizon > off + want * 32 * 1024:
-            return []               # far enough ahead already
-        start = max(off, horizon) if horizon <= off + (64 << 20) else off
-        out = []
-        end = start
-        for e in ix.iter_extents(self.index, ino, start, file_size):
-            end = e.end
-            chunk = ix.get_chunk(self.index, e.chunk_no)
-            if chunk is not None and chunk.kind == ix.CHUNK_PACK:
-                out.append(chunk)
-                if len(out) >= want:
-                    break
-        self._prefetch_horizon[ino] = max(end, start)
-        return out
-
-    async def _cut_for_commit(self, df: DirtyFile) -> None:
-        """Cut every byte of df not yet cut into chunks: the stream's unfinished
-        tail, then whatever was written out of order. Writes wait meanwhile."""
-        gate = df.committing = trio.Event()
-        try:
-            stream = df.stream
-            if stream is not None and stream.alive and stream.chunker.position:
-                infos = await self._maybe_in_thread(stream.chunker.position,
-                                                    self.files.finish_stream_blocking, stream)
-                self.files.settle(df, infos)
-            ranges = self.files.staged_ranges(df)
-            if ranges:
-                infos = await self._maybe_in_thread(sum(r[2] for r in ranges),
-                                                    self.files.cut_blocking, ranges)
-                self.files.settle(df, infos)
-        finally:
-            df.committing = None
-            gate.set()
-
-    async def _maybe_in_thread(self, nbytes: int, fn, *args):
-        if nbytes <= SMALL_IO_BYTES:
-            return fn(*args)
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.io_limiter)
+        return await self.files.read(ino, off, size, lambda: self.attrs(ino).size)
 
     async def _commit(self, ino: int) -> int:
-        """Put the file's overlay in the open batch; return the batch to wait for."""
-        df = await self._settled(ino)
-        if df is None or not df.dirty:
+        """Put the file's changes in the open batch; return the batch to wait for."""
+        df = await self.files.quiesced(ino)
+        if df is None or not df.has_changes:
             return 0        # nothing of this file to wait for
-        if df.write_error is not None:
-            err = df.write_error
-            self.files.discard(df)
-            kind = NoSpace if isinstance(err, NoSpace) else DamagedData
-            raise kind(f"a write to inode {ino} failed ({err}); its changes since the last "
-                       "commit are discarded")
+        lost = self.files.commit_error(df)
+        if lost is not None:
+            raise lost
         inode = self.ns.get(ino)
         if inode.nlink == 0:
             # Unlinked: nothing to commit (an orphan never comes back), but open
             # handles still read and write these bytes; `_purge` drops them.
             return self.index.current_seq()
         if self.files.dedup:
-            await self._cut_for_commit(df)
-            if self.files.dirty.get(ino) is not df:
+            if not await self.files.cut_for_commit(df):
                 return await self._commit(ino)      # discarded while cutting: look again
             inode = self.ns.get(ino)
             if inode.nlink == 0:
@@ -485,7 +331,7 @@ class Filesystem:
                 self.index.admit(growth)
         except IndexFull:
             # No room to commit it: the file keeps its last committed content.
-            self.files.discard(df)
+            self.files.discard(ino)
             raise
         self.files.commit_file(df, inode, self.now_ns())
         return self.index.current_seq()
@@ -520,11 +366,7 @@ class Filesystem:
         try:
             if left == 0:
                 seq = await self._commit(h.ino)
-                df = self.files.dirty.get(h.ino)
-                if df is not None and df.inflight == 0 and df.committing is None:
-                    self.files.end_stream(df)
-                    if not df.dirty:
-                        del self.files.dirty[h.ino]
+                self.files.last_close(h.ino)
                 await self._wait_per_policy(seq)
         finally:
             # Count again: an open of the same inode may have arrived during the awaits.
@@ -591,7 +433,7 @@ class Filesystem:
             "dedup_hits": self.files.dedup_hits,
             "dedup_saved_bytes": self.files.dedup_bytes,
             "open_files": len(self.open_count),
-            "dirty_files": len(self.files.dirty),
+            "dirty_files": len(self.files.dirty_files),
             "commits": self.index.commits,
             "commit_seconds_avg": (round(self.index.commit_seconds_total / self.index.commits, 6)
                                    if self.index.commits else 0.0),

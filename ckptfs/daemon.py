@@ -49,7 +49,7 @@ from . import adopt, control
 from . import index as ix
 from .core import CommitPolicy, Filesystem
 from .errors import BackingCredentials, CkptfsError, FormatError, OperationFailed, one_line
-from .files import SourceFiles
+from .sources import SourceFiles
 from .fuse_ops import CkptfsOperations
 from .index import Index
 from .options import MountOptions, parse_options
@@ -363,14 +363,19 @@ def build_filesystem(state: State) -> Filesystem:
     """The Filesystem the daemon serves, with its tiering when a backing store is
     attached; the handler-level tests build theirs here too (tests/inproc.py)."""
     opts = state.opts
+    cold = prefetcher = None
+    if state.backend is not None:
+        # Compression libraries only when tiering.
+        from .coldstore import ColdStore, Prefetcher
+        from .tier import Tierer, TierPolicy
+        policy = TierPolicy(hot_versions=opts.hot_versions)
+        cold = ColdStore(state.backend, policy.cache_bytes)
+        prefetcher = Prefetcher(cold, policy.prefetch_chunks)
     fs = Filesystem(state.index, state.log, state.sources,
                     CommitPolicy(sync=opts.sync, lazy_max_delay_s=opts.lazy_delay_s),
-                    dedup=opts.dedup)
+                    dedup=opts.dedup, cold=cold, prefetcher=prefetcher)
     if state.backend is not None:
-        from .tier import Tierer, TierPolicy     # compression libraries only when tiering
-        fs.tierer = Tierer(fs, state.backend, TierPolicy(hot_versions=opts.hot_versions),
-                           state.fs_uuid)
-        fs.files.cold = fs.tierer.cold
+        fs.tierer = Tierer(fs, state.backend, policy, state.fs_uuid, cold, prefetcher)
     return fs
 
 

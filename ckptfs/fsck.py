@@ -43,7 +43,7 @@ from .namespace import NAME_MAX, STATE_DIR_NAME
 from .options import parse_options
 from .chunker import chunk_id
 from .files import MAX_FILE_BYTES
-from .files import SourceFiles
+from .sources import SourceFiles
 from .pmemlog import SUPERBLOCK_BYTES, PmemLog
 
 log = logging.getLogger(__name__)
@@ -578,7 +578,7 @@ class Fsck:
                     if chunk.kind == CHUNK_PACK:
                         if self.backend is None:
                             continue            # reported by check_packs
-                        from .tier import ColdStore      # compression only for cold data
+                        from .coldstore import ColdStore  # compression only for cold data
                         ColdStore(self.backend, 0).get(chunk)
                     elif chunk.kind == CHUNK_LOG and self.plog is not None:
                         buf = memoryview(bytearray(chunk.length))

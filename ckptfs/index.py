@@ -551,7 +551,7 @@ class Index:
         totals are counted. Formats 1-3 had no file totals: counted (one scan
         of the inodes). Format 2 did not record which file a SOURCE chunk
         adopted: source_identity(paths) gives (SOURCE_FS_*, st_dev, st_ino) of
-        what the paths reach now, safely (files.SourceFiles.identify); without
+        what the paths reach now, safely (sources.SourceFiles.identify); without
         it, or when it raises OSError, the chunk's identity stays unknown and
         its reads give EIO (logged). Returns whether anything changed.
         """

@@ -30,13 +30,12 @@ only once a snapshot newer than that is published. Failures (store missing,
 read-only, full, slow) leave hot data alone; the mover retries with backoff
 and says why in the log and in `ckptfs stat`.
 
-Reading (`ColdStore`): a cold chunk's payload range is read from its pack,
-CRC-checked, decompressed, and its BLAKE3 id verified before a byte is used;
-decoded chunks are kept in a bounded LRU cache, and sequential reads prefetch
-the chunks ahead on worker threads.
+Reading cold chunks back is the cold store's (`coldstore.ColdStore`, with
+its `Prefetcher`, which the mover's nursery runs); the mover shows its
+figures in `stats`.
 
-Which functions may block: `ColdStore.get`/`read_into` and every `*_blocking`
-function; everything else runs on the trio thread.
+Which functions may block: every `*_blocking` function; everything else runs
+on the trio thread.
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ import queue
 import stat
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -56,17 +54,16 @@ import trio
 
 from . import codec
 from . import index as ix
-from . import native, packs
+from . import packs
 from .backing.base import Backend
 from .chunker import chunk_id
+from .coldstore import ColdStore, Prefetcher
 from .errors import (BackingFull, BlobMissing, CkptfsError, DamagedData, FormatError, NoSpace,
                      StoreAhead)
 from .index import CHUNK_LOG, CHUNK_PACK, Chunk, Inode
 from .snapshots import Published, Publisher
 
 log = logging.getLogger(__name__)
-
-PREFETCH_BATCH = 8               # cold chunks per prefetch call
 
 # Test hook: CKPTFS_DEBUG_PAUSE="POINT:PATH". The first time the mover reaches
 # POINT it creates PATH and waits there while PATH exists, so that crash tests
@@ -108,141 +105,6 @@ class Version:
     @property
     def data_bytes(self) -> int:
         return sum(f.data_bytes for f in self.files)
-
-
-# ------------------------------------------------------------------ reading
-
-class ColdStore:
-    """Cold chunk bytes: fetched from packs, verified, cached. Thread-safe."""
-
-    def __init__(self, backend: Backend, cache_bytes: int) -> None:
-        self.backend = backend
-        self.cache_limit = cache_bytes
-        self._cache: OrderedDict[bytes, bytes] = OrderedDict()   # chunk id -> bytes
-        self._cached_bytes = 0
-        self._lock = threading.Lock()
-        self._fetching: dict[bytes, threading.Event] = {}
-        self.fetches = 0
-        self.fetched_bytes = 0
-        self.hits = 0
-
-    def read_into(self, out: memoryview, chunk: Chunk, chunk_off: int) -> None:
-        """Fill out with chunk bytes from chunk_off. May block."""
-        if chunk_off + len(out) > chunk.length:
-            raise DamagedData(f"cold chunk {chunk.chunk_no}: an extent reaches byte "
-                              f"{chunk_off + len(out)} of a {chunk.length}-byte chunk")
-        data = self.get(chunk)
-        if len(data) != chunk.length:       # cached under its id by a record that differs
-            raise DamagedData(f"cold chunk {chunk.chunk_no}: its record says {chunk.length} "
-                              f"bytes, its id names {len(data)}")
-        out[:] = memoryview(data)[chunk_off:chunk_off + len(out)]
-
-    def cached(self, chunk: Chunk) -> bool:
-        with self._lock:
-            return chunk.chunk_id in self._cache or chunk.chunk_id in self._fetching
-
-    def get(self, chunk: Chunk) -> bytes:
-        """The chunk's bytes, verified. May block."""
-        while True:
-            data = self._cached_or_claim(chunk)
-            if isinstance(data, bytes):
-                return data
-            if data is not None:
-                data.wait()         # another thread is fetching it: use its result
-                continue
-            self._fetch_claimed([chunk])
-            data = self._cached_or_claim(chunk, claim=False)
-            if isinstance(data, bytes):
-                return data
-            # Too big to cache (never for real chunks): fetch it for ourselves.
-            return self._decode(chunk, self._payloads([chunk])[0])
-
-    def get_many(self, chunks: list[Chunk]) -> None:
-        """Fetch chunks into the cache, neighbours in a pack with one read. May block."""
-        mine = [c for c in chunks if self._cached_or_claim(c) is None]
-        if mine:
-            self._fetch_claimed(mine)
-
-    def _cached_or_claim(self, chunk: Chunk, claim: bool = True):
-        """Cached bytes, or the Event of a fetch in flight, or None (now ours to fetch)."""
-        key = chunk.chunk_id
-        with self._lock:
-            data = self._cache.get(key)
-            if data is not None:
-                self._cache.move_to_end(key)
-                self.hits += 1
-                return data
-            waiting = self._fetching.get(key)
-            if waiting is not None:
-                return waiting
-            if claim:
-                self._fetching[key] = threading.Event()
-            return None
-
-    def _fetch_claimed(self, chunks: list[Chunk]) -> None:
-        try:
-            for chunk, payload in zip(chunks, self._payloads(chunks)):
-                data = self._decode(chunk, payload)
-                with self._lock:
-                    if chunk.chunk_id not in self._cache and len(data) <= self.cache_limit:
-                        self._cache[chunk.chunk_id] = data
-                        self._cached_bytes += len(data)
-                        while self._cached_bytes > self.cache_limit:
-                            _, old = self._cache.popitem(last=False)
-                            self._cached_bytes -= len(old)
-                    self._fetching.pop(chunk.chunk_id).set()
-        finally:
-            with self._lock:
-                for chunk in chunks:
-                    ev = self._fetching.pop(chunk.chunk_id, None)
-                    if ev is not None:
-                        ev.set()
-
-    def _payloads(self, chunks: list[Chunk]) -> list[bytes]:
-        """Stored payloads, CRC-checked; a run of neighbours in one pack is one read.
-
-        Records are checked first (kind, lengths within MAX_CHUNK_BYTES): a
-        damaged one is DamagedData before anything is read or allocated."""
-        for c in chunks:
-            if c.kind != CHUNK_PACK:
-                raise DamagedData(f"chunk {c.chunk_no} is not a cold chunk (kind {c.kind})")
-            ix.check_chunk_record(c)
-        out: list[bytes] = []
-        i = 0
-        while i < len(chunks):
-            j = i + 1
-            while (j < len(chunks) and chunks[j].pack_no == chunks[i].pack_no
-                   and chunks[j].pack_off == chunks[j - 1].pack_off + chunks[j - 1].stored_length):
-                j += 1
-            first, last = chunks[i], chunks[j - 1]
-            name = packs.pack_name(first.pack_no)
-            try:
-                span = self.backend.read(name, first.pack_off,
-                                         last.pack_off + last.stored_length - first.pack_off)
-            except CkptfsError as e:
-                raise DamagedData(f"cold chunk {first.chunk_no} in {name}: {e}") from e
-            view = memoryview(span)
-            for c in chunks[i:j]:
-                payload = view[c.pack_off - first.pack_off:][:c.stored_length]
-                if native.crc32c(payload) != c.payload_crc:
-                    raise DamagedData(f"cold chunk {c.chunk_no} in {name}: payload checksum "
-                                      "mismatch")
-                out.append(payload)
-            i = j
-        self.fetches += len(chunks)
-        self.fetched_bytes += sum(c.stored_length for c in chunks)
-        return out
-
-    def _decode(self, chunk: Chunk, payload) -> bytes:
-        name = packs.pack_name(chunk.pack_no)
-        try:
-            data = codec.decode_chunk(chunk.codec, chunk.codec_param, payload, chunk.length)
-        except CkptfsError as e:
-            raise DamagedData(f"cold chunk {chunk.chunk_no} in {name}: {e}") from e
-        if chunk_id(data) != chunk.chunk_id:
-            raise DamagedData(f"cold chunk {chunk.chunk_no} in {name}: bytes do not match "
-                              "the chunk id")
-        return data
 
 
 # ------------------------------------------------------------------- moving
@@ -309,17 +171,20 @@ class Progress:
 class Tierer:
     """The background mover, its policy, backpressure for writers, prefetch."""
 
-    def __init__(self, fs, backend: Backend, policy: TierPolicy, fs_uuid: bytes) -> None:
+    def __init__(self, fs, backend: Backend, policy: TierPolicy, fs_uuid: bytes,
+                 cold: Optional[ColdStore] = None,
+                 prefetcher: Optional[Prefetcher] = None) -> None:
         self.fs = fs
         self.index = fs.index
         self.files = fs.files
+        self.reclaimer = fs.files.reclaimer
         self.log = fs.log
         self.backend = backend
         self.policy = policy
         self.fs_uuid = fs_uuid
-        self.cold = ColdStore(backend, policy.cache_bytes)
+        self.cold = cold                # for its figures in stats
+        self.prefetcher = prefetcher    # runs in the mover's nursery
         self.limiter = trio.CapacityLimiter(1)          # one pack at a time
-        self.prefetch_limiter = trio.CapacityLimiter(2)
         self._wake = trio.Event()
         self._moved = trio.Event()        # set after every round: writers re-check room
         self._urgent = False
@@ -360,6 +225,8 @@ class Tierer:
             with trio.CancelScope() as self._scope:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
+                    if self.prefetcher is not None:
+                        await nursery.start(self.prefetcher.run)
                     self._resume_dead_pack_deletes()
                     nursery.start_soon(self._clean_leftovers_task)
                     task_status.started()
@@ -494,12 +361,12 @@ class Tierer:
     def plan(self, everything: bool = False) -> tuple[list[Chunk], list[Version], dict]:
         """Cold chunks still in the log, oldest versions' first."""
         versions, paths = self.versions()
-        open_inos = set(self.fs.open_count) | set(self.files.dirty)
+        open_inos = set(self.fs.open_count) | self.files.open_inos()
         hot = [] if everything else versions[:self.policy.hot_versions]
         cold = [] if everything else versions[self.policy.hot_versions:]
         if everything:
             cold = versions
-        keep: set[int] = set(self.files.pinned)
+        keep: set[int] = set(self.reclaimer.pinned)
         for ino in open_inos:
             keep.update(e.chunk_no for e in ix.iter_extents(self.index, ino))
         hot_chunks: set[int] = set()
@@ -625,7 +492,7 @@ class Tierer:
         if self._store_ahead is not None:
             raise StoreAhead(f"no pack is written: {self._store_ahead}")
         pack_no = self.index.allocate_id(b"next_pack")
-        epoch = self.files.begin_read()      # the log bytes we read stay put meanwhile
+        epoch = self.reclaimer.begin_read()  # the log bytes we read stay put meanwhile
         self._writing.add(pack_no)
         started = False
         try:
@@ -649,7 +516,7 @@ class Tierer:
                 ix.delete_pack_intent(self.index, pack_no)   # never begun (unmount)
             raise
         finally:
-            self.files.end_read(epoch)
+            self.reclaimer.end_read(epoch)
         entries, size = written
         self.packs_written += 1
         moved = self._flip(pack_no, size, batch, entries)     # names it, clears the intent
@@ -738,7 +605,7 @@ class Tierer:
             ix.move_chunk(self.index, cur, new)
             if not cur.chunk_id and ix.find_chunk_no(self.index, entry.chunk_id) is None:
                 ix.name_chunk(self.index, entry.chunk_id, cur.chunk_no)
-            self.files.release_after_durable(cur.log_off, cur.length)
+            self.reclaimer.release_after_durable(cur.log_off, cur.length)
             moved += cur.length
             self.moved_chunks += 1
         self.moved_bytes += moved
@@ -884,7 +751,7 @@ class Tierer:
     def collect_garbage(self) -> int:
         """Packs whose every chunk is gone leave the index, marked dead in the same
         batch; their blobs go with the next snapshot. Returns how many."""
-        zombie_packs = {z.pack_no for z in self.files.zombies.values() if z.kind == CHUNK_PACK}
+        zombie_packs = self.reclaimer.zombie_packs()
         died = 0
         for pack in list(ix.scan_packs(self.index)):
             if pack.live_chunks == 0 and pack.pack_no not in zombie_packs:
@@ -979,24 +846,6 @@ class Tierer:
         finally:
             self.longest_wait_s = max(self.longest_wait_s, time.monotonic() - started)
 
-    # -------------------------------------------------------------- prefetch
-
-    def prefetch(self, chunks: list[Chunk]) -> None:
-        """Fetch these cold chunks into the cache in the background, a few per
-        worker-thread call (neighbours in a pack come with one read)."""
-        if self._nursery is None:
-            return
-        todo = [c for c in chunks if not self.cold.cached(c)]
-        for i in range(0, len(todo), PREFETCH_BATCH):
-            self._nursery.start_soon(self._prefetch_batch, todo[i:i + PREFETCH_BATCH])
-
-    async def _prefetch_batch(self, chunks: list[Chunk]) -> None:
-        try:
-            await trio.to_thread.run_sync(self.cold.get_many, chunks,
-                                          limiter=self.prefetch_limiter)
-        except CkptfsError:
-            pass            # the read that needs it reports the error
-
     # ----------------------------------------------------------------- stats
 
     def stats(self) -> dict[str, object]:
@@ -1008,8 +857,8 @@ class Tierer:
             "tier_leftover_packs": len(self.leftover_packs()),
             "tier_last_error": self.last_error,
             "tier_longest_writer_wait_s": round(self.longest_wait_s, 3),
-            "cold_cache_hits": self.cold.hits,
-            "cold_fetches": self.cold.fetches,
+            "cold_cache_hits": 0 if self.cold is None else self.cold.hits,
+            "cold_fetches": 0 if self.cold is None else self.cold.fetches,
             "backing": self.backend.url,
             "snapshot_seq": None if self.publisher.last is None else self.publisher.last.seq,
             "snapshot_age_s": None if self.publisher.last is None

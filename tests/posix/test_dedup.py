@@ -326,9 +326,10 @@ def test_dedup_off_write_records_stay_within_the_chunk_limit(tmp_path):
     MAX_CHUNK_BYTES (the kernel sends at most 1 MiB, a direct caller may send
     more) becomes several, so no reader ever meets a longer one."""
     from ckptfs.chunker import MAX_CHUNK_BYTES
-    from ckptfs.files import FileData, SourceFiles
+    from ckptfs.files import FileData
     from ckptfs.index import Index
     from ckptfs.pmemlog import PmemLog
+    from ckptfs.sources import SourceFiles
 
     fs_uuid = b"u" * 16
     index = Index(str(tmp_path / "index"))
@@ -340,7 +341,7 @@ def test_dedup_off_write_records_stay_within_the_chunk_limit(tmp_path):
         files = FileData(index, plog, SourceFiles(fd), dedup=False)
         df = files.dirty_file(2, 0)
         size = 5 * MiB + 3
-        plan = files.prepare_write(df, 0, size)
+        plan = files.stager.prepare_write(df, 0, size)
         lengths = [c.length for c in plan.chunks]
         assert sum(lengths) == size
         assert max(lengths) == MAX_CHUNK_BYTES and len(lengths) == 6, lengths

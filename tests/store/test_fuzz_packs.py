@@ -7,7 +7,7 @@ damaged behind a correct CRC (so the codecs' own length fields are what is
 tested), zstd bombs, bad codec params, and cold-chunk index records that claim
 more than a chunk. Each pack goes through `packs.read_pack_index` (what
 `recover` and fsck trust) and every entry it accepts through
-`tier.ColdStore` (what the daemon's cold reads and fsck's data check decode
+`coldstore.ColdStore` (what the daemon's cold reads and fsck's data check decode
 with), in a child process whose address space is capped a little above what
 it uses at the start: an allocation anywhere near what a bomb claims fails
 the test, as does any exception other than BlobDamaged / FormatError (from
@@ -42,7 +42,7 @@ from ckptfs.errors import BlobDamaged, DamagedData, FormatError
 from ckptfs.index import CHUNK_PACK, Chunk
 from ckptfs.packs import (ENTRY_BYTES, FOOTER_BYTES, HEADER_BYTES, MAGIC, END_MAGIC, VERSION,
                           PackWriter, pack_name, read_pack_index)
-from ckptfs.tier import ColdStore
+from ckptfs.coldstore import ColdStore
 from mounting import run_ckptfs
 from posix_helpers import read_file, write_file
 
