@@ -32,7 +32,8 @@ from .pmemlog import SUPERBLOCK_BYTES, PmemLog
 from .sources import SourceFiles
 
 if TYPE_CHECKING:
-    from .coldstore import ColdStore, Prefetcher
+    from .tier import Tierer
+    from .tierplan import TierSetup
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +80,18 @@ class Attrs:
 class Filesystem:
     def __init__(self, index: Index, plog: PmemLog, sources: SourceFiles,
                  policy: CommitPolicy, dedup: bool = True,
-                 cold: Optional["ColdStore"] = None,
-                 prefetcher: Optional["Prefetcher"] = None) -> None:
+                 tiering: Optional["TierSetup"] = None) -> None:
+        """tiering: the backing store to tier to (None: no tiering, no cold reads)."""
         self.index = index
         self.log = plog
         self.ns = Namespace(index)
         self.io_limiter = trio.CapacityLimiter(4)
+        cold = prefetcher = None
+        if tiering is not None:
+            # Compression libraries only when tiering.
+            from .coldstore import ColdStore, Prefetcher
+            cold = ColdStore(tiering.backend, tiering.policy.cache_bytes)
+            prefetcher = Prefetcher(cold, tiering.policy.prefetch_chunks)
         self.files = FileData(index, plog, sources, dedup=dedup, cold=cold,
                               prefetcher=prefetcher, io_limiter=self.io_limiter)
         self.policy = policy
@@ -95,7 +102,15 @@ class Filesystem:
         self.commit_limiter = trio.CapacityLimiter(1)
         self.started_at = time.time()
         self.errors_by_kind: dict[str, int] = {}
-        self.tierer = None          # tier.Tierer when a backing store is attached
+        self.tierer: Optional["Tierer"] = None
+        if tiering is not None:
+            from . import tier
+            self.tierer = tier.Tierer(index, plog, self.files.reclaimer, self._hot_inos,
+                                      tiering, cold, prefetcher)
+
+    def _hot_inos(self) -> set[int]:
+        """Files tiering leaves alone: open, or with uncommitted changes."""
+        return set(self.open_count) | self.files.open_inos()
 
     # ------------------------------------------------------------- lifecycle
 

@@ -50,6 +50,7 @@ from . import index as ix
 from .core import CommitPolicy, Filesystem
 from .errors import BackingCredentials, CkptfsError, FormatError, OperationFailed, one_line
 from .sources import SourceFiles
+from .tierplan import TierPolicy, TierSetup
 from .fuse_ops import CkptfsOperations
 from .index import Index
 from .options import MountOptions, parse_options
@@ -363,20 +364,13 @@ def build_filesystem(state: State) -> Filesystem:
     """The Filesystem the daemon serves, with its tiering when a backing store is
     attached; the handler-level tests build theirs here too (tests/inproc.py)."""
     opts = state.opts
-    cold = prefetcher = None
+    tiering = None
     if state.backend is not None:
-        # Compression libraries only when tiering.
-        from .coldstore import ColdStore, Prefetcher
-        from .tier import Tierer, TierPolicy
-        policy = TierPolicy(hot_versions=opts.hot_versions)
-        cold = ColdStore(state.backend, policy.cache_bytes)
-        prefetcher = Prefetcher(cold, policy.prefetch_chunks)
-    fs = Filesystem(state.index, state.log, state.sources,
-                    CommitPolicy(sync=opts.sync, lazy_max_delay_s=opts.lazy_delay_s),
-                    dedup=opts.dedup, cold=cold, prefetcher=prefetcher)
-    if state.backend is not None:
-        fs.tierer = Tierer(fs, state.backend, policy, state.fs_uuid, cold, prefetcher)
-    return fs
+        tiering = TierSetup(state.backend, TierPolicy(hot_versions=opts.hot_versions),
+                            state.fs_uuid)
+    return Filesystem(state.index, state.log, state.sources,
+                      CommitPolicy(sync=opts.sync, lazy_max_delay_s=opts.lazy_delay_s),
+                      dedup=opts.dedup, tiering=tiering)
 
 
 def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:

@@ -286,7 +286,7 @@ class Builder:
         return chosen
 
     def _holds(self, cid: bytes, pack_no: int, e: packs.PackEntry) -> bool:
-        from .tier import ColdStore          # decoding only when ids are listed twice
+        from .coldstore import ColdStore     # decoding only when ids are listed twice
         try:
             ColdStore(self.backend, 0).get(Chunk(
                 0, CHUNK_PACK, 1, e.length, pack_no=pack_no, pack_off=e.offset,

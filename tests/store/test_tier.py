@@ -571,7 +571,7 @@ def test_saves_into_one_directory_are_separate_versions(make_mount):
     from ckptfs import daemon as dmod
     from ckptfs.core import CommitPolicy, Filesystem
     from ckptfs.options import parse_options
-    from ckptfs.tier import Tierer, TierPolicy
+    from ckptfs.tierplan import TierPolicy, TierSetup
 
     m = make_mount(options=["pmem_size=128M", "tiering=off"])
     d = m.path / "ckpts"
@@ -584,8 +584,9 @@ def test_saves_into_one_directory_are_separate_versions(make_mount):
     m.umount()
     state = dmod.open_state(parse_options(str(m.source), str(m.path), ["tiering=off"]))
     try:
-        fs = Filesystem(state.index, state.log, state.sources, CommitPolicy())
-        versions, _ = Tierer(fs, state.backend, TierPolicy(), state.fs_uuid).versions()
+        fs = Filesystem(state.index, state.log, state.sources, CommitPolicy(),
+                        tiering=TierSetup(state.backend, TierPolicy(), state.fs_uuid))
+        versions, _ = fs.tierer.planner.versions()
         assert sorted(len(v.files) for v in versions) == [1, 1, 1, 1], versions
     finally:
         state.close()

@@ -1,0 +1,256 @@
+"""The tiering collector: snapshots to the store, and what they let go.
+
+Publishing (`publish`): a snapshot of the whole namespace goes to the store
+(`snapshots.Publisher`, docs/STORE.md) after a background pass and at
+unmount, so `ckptfs recover` can rebuild the newest state from the store
+alone; one at a time (its own lock: writers never wait for it), never at or
+below a head the store already has (`StoreAhead`: the mover's fence goes up).
+
+What goes, and when:
+- Dead packs (`collect_garbage`): a pack whose every chunk is gone leaves the
+  index, marked dead in the same batch; its blob is deleted once a snapshot
+  newer than that is published (the newest head may still name its chunks).
+  Marks a crash left are picked up at mount (`resume_dead_pack_deletes`).
+- Leftovers of interrupted passes (`clean_leftovers`, a background task from
+  mount on, retried with backoff, and again whenever a pack write fails): a
+  pack an intent names and no record does is deleted (with its temporary),
+  a committed one only once this mount has published a snapshot (so the
+  store's newest head is of this index, which names none of its chunks).
+  Only packs this filesystem's intents name are ever touched.
+- `ckptfs gc` (`gc`, under the mover's pass lock): a snapshot, then dead and
+  stray packs, older heads and what only they reach, legacy manifests,
+  temporaries.
+
+It may not write packs or choose what is cold. Blocks: the `*_blocking`
+functions (worker threads under the store limiter); the rest runs on the
+trio thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import trio
+
+from . import index as ix
+from . import packs
+from .backing.base import Backend
+from .debugpause import pause, pausing_at
+from .errors import BlobMissing, CkptfsError, FormatError, StoreAhead
+from .index import Index
+from .mover import Mover, StoreAheadFence
+from .reclaim import Reclaimer
+from .snapshots import Published, Publisher
+
+log = logging.getLogger("ckptfs.tier")
+
+
+class Collector:
+    """Publishes snapshots; deletes dead packs, leftovers and old snapshots."""
+
+    def __init__(self, index: Index, reclaimer: Reclaimer, backend: Backend,
+                 publisher: Publisher, mover: Mover, fence: StoreAheadFence,
+                 limiter: trio.CapacityLimiter) -> None:
+        self.index = index
+        self.reclaimer = reclaimer
+        self.backend = backend
+        self.publisher = publisher
+        self.mover = mover
+        self.fence = fence
+        self.limiter = limiter                 # the store's: one pack (or delete) at a time
+        self._publishing = trio.Lock()         # one snapshot (or gc) at a time
+
+    # ------------------------------------------------------------ snapshots
+
+    async def publish(self, force: bool = False) -> Optional[Published]:
+        """A snapshot of the namespace to the store, unless nothing changed since
+        the last one. Writers never wait for it (it has its own lock)."""
+        async with self._publishing:
+            return await self._publish_locked(force)
+
+    async def _publish_locked(self, force: bool) -> Optional[Published]:
+        """Publish (the caller holds the publish lock); the dead packs it deleted
+        lose their marks in the index."""
+        self.fence.check()
+        deleting = list(self.publisher.pending_pack_deletes)
+        try:
+            done = await self.publisher.publish(force=force)
+        except StoreAhead as e:
+            self.fence.close(e)
+            raise
+        if done is not None:
+            for name in deleting:
+                n = packs.pack_number(name)
+                if n is not None:
+                    ix.delete_dead_pack(self.index, n)
+        return done
+
+    async def collect_garbage_and_publish(self) -> None:
+        """After a pass: packs with no live chunk leave the index (marked dead),
+        then a snapshot, which deletes their blobs."""
+        died = self.collect_garbage()
+        if died and pausing_at("pack-dead"):
+            await self.index.wait_durable(self.index.current_seq())
+            await pause("pack-dead")
+        await self.publish()
+
+    def resume_dead_pack_deletes(self) -> None:
+        """Dead packs a crash (or an unpublished snapshot) left: the next
+        snapshot deletes them, as it would have before the crash."""
+        pending = set(self.publisher.pending_pack_deletes)
+        for n in ix.dead_packs(self.index):
+            name = packs.pack_name(n)
+            if name not in pending:
+                self.publisher.pending_pack_deletes.append(name)
+
+    async def publish_at_unmount(self) -> None:
+        """The last snapshot, after the final commits (the mover is stopped)."""
+        try:
+            done = await self.publish()
+        except StoreAhead as e:
+            log.warning("no snapshot published at unmount: %s", e)
+            return
+        except (CkptfsError, OSError) as e:
+            log.warning("no snapshot published at unmount: %s (ckptfs recover would "
+                        "restore an older one)", e)
+            return
+        if done is not None:
+            log.info("snapshot %d published: %d entries, %d files (%d not wholly in the "
+                     "store)", done.seq, done.entries, done.files, done.incomplete_files)
+
+    # --------------------------------------------------------------- cleanup
+
+    def leftover_packs(self) -> list[int]:
+        """Packs interrupted passes left: an intent, no pass writing it now."""
+        return [n for n in ix.pack_intents(self.index) if n not in self.mover.writing]
+
+    async def clean_leftovers_task(self) -> None:
+        """From mount on: delete what interrupted passes left, in the background
+        (a slow or absent store never holds up the mount), retrying with
+        backoff until it is done; again whenever a pack write fails."""
+        delay_s = 1.0
+        said = None
+        while True:
+            try:
+                await self.clean_leftovers()
+            except (CkptfsError, OSError) as e:
+                if str(e) != said:
+                    said = str(e)
+                    log.warning("could not remove packs left by an interrupted tiering pass "
+                                "(retrying): %s", e)
+                await trio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 60.0)
+                continue
+            delay_s, said = 1.0, None
+            await self.mover.failed_write()
+
+    async def clean_leftovers(self) -> int:
+        """Undo interrupted passes: delete each pack (and its temporary) that an
+        intent names and no pack record does, then clear the intents. Only
+        packs this filesystem's intents name are touched, and a committed one
+        only once this mount has published a snapshot: then the newest head in
+        the store is of this index (a publish below a newer head is refused),
+        which names no chunk of a pack it has no record of; a head from an
+        index newer than this one (restored from an older copy) may. Returns
+        how many packs were deleted."""
+        leftovers = self.leftover_packs()
+        if not leftovers:
+            return 0
+        named = set()
+        for n in leftovers:
+            try:
+                if ix.get_pack(self.index, n) is not None:
+                    named.add(n)        # flipped after all: the pack is live
+            except FormatError:
+                named.add(n)            # damaged record: keep the pack (fsck reports it)
+        gone = [n for n in leftovers if n not in named]
+        if gone:
+            committed = await trio.to_thread.run_sync(self._committed_blocking, gone,
+                                                      limiter=self.limiter)
+            if committed and self.publisher.last is None:
+                await self.publish(force=True)      # StoreAhead: kept, retried later
+            await trio.to_thread.run_sync(self._delete_leftovers_blocking, gone,
+                                          limiter=self.limiter)
+            if committed:
+                log.info("removed %d packs left by an interrupted tiering pass", len(committed))
+        for n in leftovers:
+            if n not in self.mover.writing:
+                ix.delete_pack_intent(self.index, n)
+        return len(committed) if gone else 0
+
+    def _committed_blocking(self, pack_nos: list[int]) -> list[int]:
+        """Those of these packs whose blob is in the store. May block."""
+        out = []
+        for n in pack_nos:
+            try:
+                self.backend.size(packs.pack_name(n))
+            except BlobMissing:
+                continue
+            out.append(n)
+        return out
+
+    def _delete_leftovers_blocking(self, pack_nos: list[int]) -> None:
+        for n in pack_nos:
+            name = packs.pack_name(n)
+            self.backend.delete(name)
+            self.backend.remove_incomplete_of(name)
+
+    def collect_garbage(self) -> int:
+        """Packs whose every chunk is gone leave the index, marked dead in the same
+        batch; their blobs go with the next snapshot. Returns how many."""
+        zombie_packs = self.reclaimer.zombie_packs()
+        died = 0
+        for pack in list(ix.scan_packs(self.index)):
+            if pack.live_chunks == 0 and pack.pack_no not in zombie_packs:
+                ix.delete_pack(self.index, pack.pack_no)
+                ix.put_dead_pack(self.index, pack.pack_no, time.time_ns())   # crash-proof
+                died += 1
+                name = packs.pack_name(pack.pack_no)
+                # The newest snapshot may still name its chunks: the blob goes once
+                # a snapshot of a state without them is published.
+                self.index.after_durable(
+                    lambda name=name: self.publisher.pending_pack_deletes.append(name))
+        return died
+
+    async def gc(self) -> dict[str, int]:
+        """`ckptfs gc`: publish a snapshot, then delete dead packs (and packs a
+        crash left unnamed), older snapshot heads and the objects only they
+        reach, manifests of the format before snapshots, and leftovers of
+        interrupted writes.
+
+        The caller holds the mover's pass lock throughout (a pack being
+        written and not yet named by the index must not look like a stray);
+        this holds the publish lock (a head being written must keep every
+        object it names)."""
+        async with self._publishing:
+            dead = sum(1 for pack in ix.scan_packs(self.index) if pack.live_chunks == 0)
+            self.collect_garbage()
+            await self.index.wait_durable(self.index.current_seq())
+            done = await self._publish_locked(force=True)
+            named = {packs.pack_name(n) for n in done.packs_named}
+            named |= {packs.pack_name(n) for n in ix.scan_pack_numbers(self.index)}
+            stray, temp = await trio.to_thread.run_sync(self._gc_blocking, named,
+                                                        limiter=self.limiter)
+            # No pass runs (the lock): every intent is a leftover, every dead
+            # pack unnamed by the snapshot: their blobs are gone now.
+            for n in self.leftover_packs():
+                ix.delete_pack_intent(self.index, n)
+            for n in ix.dead_packs(self.index):
+                if packs.pack_name(n) not in named:
+                    ix.delete_dead_pack(self.index, n)
+            await self.index.wait_durable(self.index.current_seq())
+            return {"dead_packs": dead + stray, "stale_manifests": done.manifests_deleted,
+                    "old_heads": done.heads_deleted, "objects": done.objects_deleted,
+                    "temporary_files": temp, "snapshot": done.seq}
+
+    def _gc_blocking(self, named: set[str]) -> tuple[int, int]:
+        # Packs neither the index nor the snapshot just published names: written
+        # but never flipped to (a crash, or a batch whose chunks all went
+        # meanwhile), or dead before a crash. Only once no move runs.
+        stray = [n for n in self.backend.list(packs.PACK_PREFIX) if n not in named]
+        for name in stray:
+            self.backend.delete(name)
+        temp = self.backend.remove_incomplete(older_than=0)    # no write runs: see gc
+        return len(stray), temp

@@ -1,0 +1,282 @@
+"""The tiering mover: cold LOG chunks into a pack in the store, then one flip.
+
+`Mover.move_batch`: on the trio thread, make an intent ("pack N is being
+written") durable in the index; on the mover's own worker thread, read each
+chunk from the log (verified), compress it (`codec`), append it to a pack,
+commit the pack (temp name, fsync, rename, fsync dir: `backing`); back on the
+trio thread, flip every chunk that is still where it was to its pack
+location, record the pack and clear its intent, all in the open index batch.
+A moved chunk's log space goes back through the reclaimer once that batch is
+durable and no read that might still use it is in flight. A store with less
+room than a pack takes a smaller one (`STORE_MARGIN_BYTES` kept free); none
+at all is BackingFull.
+
+It never writes a pack whose name the store holds: that store is ahead of
+this index (restored from a copy, or another filesystem writes there).
+`StoreAheadFence` remembers that for the mount: from then on no pack is
+written and no snapshot published (the collector checks it too), until
+fsck --repair or recover.
+
+A write that fails after its intent was durable leaves the pack's fate
+unknown: the collector is told (`failed_write`) and cleans up. The mover may
+not delete anything from the store, nor choose what is cold.
+
+Blocks: `_write_pack_blocking` (its worker thread); the rest runs on the trio
+thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Optional
+
+import outcome
+import trio
+
+from . import codec
+from . import index as ix
+from . import packs
+from .backing.base import Backend
+from .chunker import chunk_id
+from .debugpause import pause_blocking, pausing_at
+from .errors import BackingFull, BlobMissing, DamagedData, StoreAhead
+from .index import CHUNK_LOG, CHUNK_PACK, Chunk, Index
+from .pmemlog import PmemLog
+from .reclaim import Reclaimer
+
+log = logging.getLogger("ckptfs.tier")
+
+# Room a pack leaves free in the backing store: file system blocks and
+# directories, snapshots, other writers. A store with less free space than a
+# pack takes smaller packs; one with less than this margin, none (BackingFull).
+STORE_MARGIN_BYTES = 2 << 20
+
+
+class BackgroundThread:
+    """One long-lived worker thread for the mover's compression. `run` is
+    awaited like trio.to_thread.run_sync (not cancellable while the job runs).
+
+    Its priority stays normal (nice 0): at nice 10 the saves during a pass got
+    faster, but a writer waiting for log room then waited on a starved mover
+    (bench_tier (c): longest wait 15.9 s at nice 10, 0.0 s at nice 0)."""
+
+    def __init__(self, nice: int = 0) -> None:
+        self._nice = nice
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+
+    def _loop(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+        except OSError as e:
+            log.debug("could not lower the mover thread's priority: %s", e)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, token, deliver = job
+            result = outcome.capture(fn, *args)
+            try:
+                token.run_sync_soon(deliver, result)
+            except trio.RunFinishedError:
+                pass
+
+    async def run(self, fn, *args):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ckptfs mover",
+                                            daemon=True)
+            self._thread.start()
+        done = trio.Event()
+        box: list = []
+
+        def deliver(result) -> None:
+            box.append(result)
+            done.set()
+
+        self._jobs.put((fn, args, trio.lowlevel.current_trio_token(), deliver))
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        return box[0].unwrap()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+
+
+class StoreAheadFence:
+    """Why this index is older than its store (StoreAhead), once seen: from
+    then on the mount publishes nothing and writes no pack (what a newer head
+    names must stay as it is until fsck --repair or recover)."""
+
+    def __init__(self) -> None:
+        self.why: Optional[str] = None
+
+    def check(self, doing: str = "") -> None:
+        """StoreAhead if the fence is up."""
+        if self.why is not None:
+            raise StoreAhead(f"{doing}{self.why}")
+
+    def close(self, e: StoreAhead) -> None:
+        self.why = str(e)
+
+
+class Mover:
+    """Writes packs of cold chunks and flips the chunks' records to them."""
+
+    def __init__(self, index: Index, plog: PmemLog, reclaimer: Reclaimer, backend: Backend,
+                 fence: StoreAheadFence) -> None:
+        self.index = index
+        self.log = plog
+        self.reclaimer = reclaimer
+        self.backend = backend
+        self.fence = fence
+        self.writing: set[int] = set()     # packs being written now (their intents are ours)
+        self.moved_chunks = 0
+        self.moved_bytes = 0
+        self.packs_written = 0
+        self._thread = BackgroundThread()
+        self._failed_write = trio.Event()
+
+    def close(self) -> None:
+        """The mover's thread ends (after the job it runs, if any)."""
+        self._thread.close()
+
+    async def failed_write(self) -> None:
+        """Wait until a pack write fails after its intent was durable."""
+        await self._failed_write.wait()
+        self._failed_write = trio.Event()
+
+    async def move_batch(self, batch: list[Chunk]) -> tuple[int, int]:
+        """Pack a prefix of batch (all of it if the store has room); return how
+        many chunks it took and the logical bytes moved."""
+        self.fence.check("no pack is written: ")
+        pack_no = self.index.allocate_id(b"next_pack")
+        epoch = self.reclaimer.begin_read()  # the log bytes we read stay put meanwhile
+        self.writing.add(pack_no)
+        started = False
+        try:
+            # Durable before the pack's first byte: whatever happens from here
+            # on, the next mount knows this pack as its own leftover.
+            ix.put_pack_intent(self.index, pack_no, time.time_ns())
+            await self.index.wait_durable(self.index.current_seq())
+            started = True
+            written = await self._thread.run(self._write_pack_blocking, pack_no, batch)
+        except StoreAhead as e:
+            self.fence.close(e)
+            self.writing.discard(pack_no)
+            if self.index.failure is None:
+                ix.delete_pack_intent(self.index, pack_no)   # refused before its first byte
+            raise
+        except BaseException:
+            self.writing.discard(pack_no)
+            if started:
+                self._failed_write.set()   # the pack may be there (a commit's outcome unknown)
+            elif self.index.failure is None:
+                ix.delete_pack_intent(self.index, pack_no)   # never begun (unmount)
+            raise
+        finally:
+            self.reclaimer.end_read(epoch)
+        entries, size = written
+        self.packs_written += 1
+        moved = self._flip(pack_no, size, batch, entries)     # names it, clears the intent
+        self.writing.discard(pack_no)
+        return len(entries), moved
+
+    def _room_blocking(self) -> Optional[int]:
+        """Bytes the next pack may take: the store's free space less a margin
+        (None: the store cannot say)."""
+        free = self.backend.free_bytes()
+        if free is None:
+            return None
+        return free - STORE_MARGIN_BYTES
+
+    def _write_pack_blocking(self, pack_no: int, batch: list[Chunk]
+                             ) -> tuple[list[Optional[packs.PackEntry]], int]:
+        """Read, compress and pack a prefix of the chunks (as many as the
+        store has room for, at least one: BackingFull otherwise); commit the
+        pack. Returns an entry (None: not moved) for each chunk taken. May block."""
+        if pausing_at("pack-begin"):
+            pause_blocking("pack-begin")
+        name = packs.pack_name(pack_no)
+        try:
+            self.backend.size(name)
+        except BlobMissing:
+            pass
+        else:
+            # Pack numbers are never reused: this index is older than the store
+            # (restored from a copy), or another filesystem writes packs there.
+            raise StoreAhead(f"{self.backend.url}: {name} is in the store already: this "
+                             "index is older than the store (restored from a copy?) or another "
+                             "filesystem writes packs there; ckptfs fsck --repair raises its "
+                             "counter")
+        room = self._room_blocking()
+        writer = packs.PackWriter.create(self.backend, name)
+        out: list[Optional[packs.PackEntry]] = []
+        by_id: dict[bytes, packs.PackEntry] = {}
+        try:
+            for chunk in batch:
+                buf = memoryview(bytearray(chunk.length))
+                try:
+                    self.log.read_into(buf, chunk.log_off, chunk.length, chunk.crcs, 0)
+                except DamagedData as e:
+                    log.error("not tiering chunk %d: %s", chunk.chunk_no, e)
+                    out.append(None)
+                    continue
+                cid = chunk.chunk_id or chunk_id(buf)
+                if cid not in by_id:        # twins stored without dedup share one copy
+                    enc = codec.encode_chunk(buf)
+                    if room is not None and _pack_size(writer, len(enc.payload)) > room:
+                        if not writer.entries:
+                            raise BackingFull(f"{self.backend.url}: no space for another pack "
+                                              f"({room + STORE_MARGIN_BYTES} bytes free, "
+                                              f"{STORE_MARGIN_BYTES} kept free)")
+                        break               # the pack ends here; the rest goes in the next
+                    by_id[cid] = writer.add(cid, enc.codec, enc.param, enc.payload,
+                                            chunk.length)
+                    if len(writer) == 1 and pausing_at("pack-writing"):
+                        pause_blocking("pack-writing")
+                out.append(by_id[cid])
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        if pausing_at("pack-written"):
+            pause_blocking("pack-written")
+        return out, writer.bytes_written
+
+    def _flip(self, pack_no: int, size: int, batch: list[Chunk],
+              entries: list[Optional[packs.PackEntry]]) -> int:
+        """Point every chunk that is still where we read it at its pack copy;
+        record the pack and clear its intent (one batch)."""
+        ix.put_pack(self.index, ix.PackInfo(pack_no, 0, 0, size))
+        ix.delete_pack_intent(self.index, pack_no)
+        moved = 0
+        for old, entry in zip(batch, entries):
+            if entry is None:
+                continue
+            cur = ix.get_chunk(self.index, old.chunk_no)
+            if cur is None or cur.kind != CHUNK_LOG or cur.log_off != old.log_off:
+                continue            # gone or changed meanwhile: its pack copy is dead
+            new = Chunk(cur.chunk_no, CHUNK_PACK, cur.refcount, cur.length, pack_no=pack_no,
+                        pack_off=entry.offset, stored_length=entry.stored_length,
+                        codec=entry.codec, codec_param=entry.param, payload_crc=entry.crc,
+                        chunk_id=entry.chunk_id)
+            ix.move_chunk(self.index, cur, new)
+            if not cur.chunk_id and ix.find_chunk_no(self.index, entry.chunk_id) is None:
+                ix.name_chunk(self.index, entry.chunk_id, cur.chunk_no)
+            self.reclaimer.release_after_durable(cur.log_off, cur.length)
+            moved += cur.length
+            self.moved_chunks += 1
+        self.moved_bytes += moved
+        return moved
+
+
+def _pack_size(writer: packs.PackWriter, payload_bytes: int) -> int:
+    """The pack's size once committed with one more payload of this size."""
+    return (writer.bytes_written + payload_bytes
+            + (len(writer) + 1) * packs.ENTRY_BYTES + packs.FOOTER_BYTES)
+
