@@ -126,8 +126,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("-o", dest="options", action="append", default=[],
                    help="the mount options the filesystem uses (for pmem=)")
 
-    p = sub.add_parser("sync", help="make everything written so far durable")
+    p = sub.add_parser("sync", help="make everything written so far durable (--published: "
+                                    "and published to the backing store)")
     p.add_argument("mountpoint")
+    p.add_argument("--published", action="store_true",
+                   help="wait until everything committed so far is in the backing store, "
+                        "a snapshot head naming it published (what another node restores)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait for --published (default 600)")
+
+    p = sub.add_parser("volumes", help="list the volumes of a backing store",
+                       description="List the volumes (filesystems) of a backing store "
+                                   "(s3://BUCKET/PREFIX or a directory): the node holding "
+                                   "each, its lease generation, its newest published "
+                                   "snapshot.")
+    p.add_argument("store", metavar="URL|DIR")
+    p.add_argument("-o", dest="options", action="append", default=[],
+                   help="aws_profile=NAME for an s3:// store")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = sub.add_parser("export", help="copy files or trees out of a mounted ckptfs as plain files",
                        description="Copy PATH (a file or a directory tree inside a mounted "
@@ -198,8 +214,9 @@ def _run(args: argparse.Namespace) -> int:
         return run_fsck(args.source, args.options, repair=args.repair,
                         verify_data=not args.no_data)
     if args.cmd == "sync":
-        control.request(args.mountpoint, "sync")
-        return ExitCode.OK
+        return sync(args.mountpoint, args.published, args.timeout)
+    if args.cmd == "volumes":
+        return show_volumes(args.store, args.options, args.json)
     if args.cmd == "export":
         from .export import run_export
         return run_export(args.path, args.dest, progress=args.progress)
@@ -244,6 +261,72 @@ def umount(mountpoint: str, timeout_s: float, lazy: bool) -> int:
     if pid is not None and not wait_exit(pid, timeout_s):
         raise CkptfsError(f"daemon {pid} still running after {timeout_s:.0f} s")
     return ExitCode.OK
+
+
+def sync(mountpoint: str, published: bool, timeout_s: float) -> int:
+    if not published:
+        control.request(mountpoint, "sync")
+        return ExitCode.OK
+    try:
+        control.request(mountpoint, "sync", timeout_s=timeout_s, published=True)
+    except TimeoutError:
+        stats = control.request(mountpoint, "stat", timeout_s=10)
+        raise OperationFailed(f"not published within {timeout_s:g} s: publish lag "
+                              f"{stats.get('publish_lag_s')} s, backlog "
+                              f"{_human(stats.get('publish_backlog_bytes', 0))}"
+                              + (f", last error: {stats['publish_last_error']}"
+                                 if stats.get("publish_last_error") else "")) from None
+    return ExitCode.OK
+
+
+def show_volumes(location: str, option_strings: list[str], as_json: bool) -> int:
+    import time
+
+    from . import volumes
+    from .backing import open_backend
+    profile = None
+    for item in filter(None, ",".join(option_strings).split(",")):
+        name, _, value = item.partition("=")
+        if name != "aws_profile" or not value:
+            raise UsageError(f"ckptfs volumes takes -o aws_profile=NAME only, not {item!r}")
+        profile = value
+    with open_backend(location, must_exist=True, profile=profile) as backend:
+        rows = [volumes.summary(backend, name) for name in volumes.volume_names(backend)]
+    if as_json:
+        json.dump(rows, sys.stdout, indent=2, sort_keys=True)
+        print()
+        return ExitCode.OK
+
+    def when(t: Optional[float]) -> str:
+        if t is None:
+            return "never"
+        return (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+                + f" ({_age(time.time() - t)} ago)")
+
+    table = [("VOLUME", "NODE", "GEN", "NEWEST PUBLISH", "HEAD", "FILES")]
+    for r in rows:
+        files = "-" if r["files"] is None else (
+            f"{r['files']}" + (f" ({r['incomplete_files']} not wholly in the store)"
+                               if r["incomplete_files"] else ""))
+        table.append((r["volume"], r["node"] or "-", str(r["generation"]),
+                      when(r["published"]), r["head"] or "-", files))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    for row in table:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)) + "  " + row[-1])
+    for r in rows:
+        for why in r["damaged_leases"]:
+            print(f"note: {why}")
+        if r.get("head_problem"):
+            print(f"note: volume {r['volume']}: newest head unusable: {r['head_problem']}")
+    return ExitCode.OK
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def tier_now(mountpoint: str, everything: bool) -> int:
@@ -295,6 +378,14 @@ def show_stat(mountpoint: str, as_json: bool) -> int:
                     f"{_human(stats.get('tier_backlog_bytes', 0))}"
                     + (f", error: {stats['tier_last_error']}" if stats.get("tier_last_error")
                        else "")),
+        *((("publishing", f"{stats['publish_state']}, lag {stats['publish_lag_s']:.1f} s, "
+                          f"backlog {_human(stats['publish_backlog_bytes'])}"
+                          + (f", error: {stats['publish_last_error']}"
+                             if stats.get("publish_last_error") else "")),
+           ("volume", f"{stats['volume']} (generation {stats['volume_generation']}"
+                      + (", FENCED: another node holds it)" if stats["volume_fenced"]
+                         else ")")))
+          if "publish_state" in stats else ()),
         ("chunks", stats["chunks"]),
         ("open / dirty files", f"{stats['open_files']} / {stats['dirty_files']}"),
         ("commits", f"{stats['commits']} (avg {stats['commit_seconds_avg'] * 1000:.2f} ms)"),

@@ -38,11 +38,12 @@ from . import index as ix
 from . import packs
 from .backing.base import Backend
 from .debugpause import pause, pausing_at
-from .errors import BlobMissing, CkptfsError, FormatError, StoreAhead
+from .errors import BlobMissing, CkptfsError, Fenced, FormatError, StoreAhead
 from .index import Index
 from .mover import Mover, StoreAheadFence
 from .reclaim import Reclaimer
-from .snapshots import Published, Publisher
+from .snapshots import RETENTION_S, Published, Publisher
+from .volumes import SPACE_SHIFT
 
 log = logging.getLogger("ckptfs.tier")
 
@@ -51,8 +52,10 @@ class Collector:
     """Publishes snapshots; deletes dead packs, leftovers and old snapshots."""
 
     def __init__(self, index: Index, reclaimer: Reclaimer, backend: Backend,
-                 publisher: Publisher, mover: Mover, fence: StoreAheadFence,
+                 publisher: Optional[Publisher], mover: Mover, fence: StoreAheadFence,
                  limiter: trio.CapacityLimiter) -> None:
+        """publisher: None for a read-only mount without a volume (it publishes
+        and deletes nothing)."""
         self.index = index
         self.reclaimer = reclaimer
         self.backend = backend
@@ -60,28 +63,34 @@ class Collector:
         self.mover = mover
         self.fence = fence
         self.limiter = limiter                 # the store's: one pack (or delete) at a time
-        self._publishing = trio.Lock()         # one snapshot (or gc) at a time
+        # One snapshot, copy round (publish.py) or gc at a time: the publisher's lock.
+        self._publishing = publisher.lock if publisher is not None else trio.Lock()
+        self.fenced: Optional[str] = None      # the volume went to another node
 
     # ------------------------------------------------------------ snapshots
 
     async def publish(self, force: bool = False) -> Optional[Published]:
         """A snapshot of the namespace to the store, unless nothing changed since
         the last one. Writers never wait for it (it has its own lock)."""
+        if self.publisher is None:
+            return None
         async with self._publishing:
             return await self._publish_locked(force)
 
-    async def _publish_locked(self, force: bool) -> Optional[Published]:
+    async def _publish_locked(self, force: bool, retention_s: float = RETENTION_S
+                              ) -> Optional[Published]:
         """Publish (the caller holds the publish lock); the dead packs it deleted
         lose their marks in the index."""
         self.fence.check()
-        deleting = list(self.publisher.pending_pack_deletes)
+        if self.fenced is not None:
+            raise Fenced(self.fenced)
         try:
-            done = await self.publisher.publish(force=force)
+            done = await self.publisher.publish(force=force, retention_s=retention_s)
         except StoreAhead as e:
             self.fence.close(e)
             raise
         if done is not None:
-            for name in deleting:
+            for name in done.deleted_packs:
                 n = packs.pack_number(name)
                 if n is not None:
                     ix.delete_dead_pack(self.index, n)
@@ -99,6 +108,8 @@ class Collector:
     def resume_dead_pack_deletes(self) -> None:
         """Dead packs a crash (or an unpublished snapshot) left: the next
         snapshot deletes them, as it would have before the crash."""
+        if self.publisher is None:
+            return
         pending = set(self.publisher.pending_pack_deletes)
         for n in ix.dead_packs(self.index):
             name = packs.pack_name(n)
@@ -107,6 +118,8 @@ class Collector:
 
     async def publish_at_unmount(self) -> None:
         """The last snapshot, after the final commits (the mover is stopped)."""
+        if self.fenced is not None:
+            return
         try:
             done = await self.publish()
         except StoreAhead as e:
@@ -156,8 +169,8 @@ class Collector:
         index newer than this one (restored from an older copy) may. Returns
         how many packs were deleted."""
         leftovers = self.leftover_packs()
-        if not leftovers:
-            return 0
+        if not leftovers or self.publisher is None or self.fenced is not None:
+            return 0                    # a holder of the volume cleans up, no one else
         named = set()
         for n in leftovers:
             try:
@@ -192,6 +205,7 @@ class Collector:
         return out
 
     def _delete_leftovers_blocking(self, pack_nos: list[int]) -> None:
+        self.publisher.volume.fence()          # deletes only while this node holds it
         for n in pack_nos:
             name = packs.pack_name(n)
             self.backend.delete(name)
@@ -200,6 +214,8 @@ class Collector:
     def collect_garbage(self) -> int:
         """Packs whose every chunk is gone leave the index, marked dead in the same
         batch; their blobs go with the next snapshot. Returns how many."""
+        if self.publisher is None:
+            return 0                    # no snapshots here: the blobs wait for a mount with one
         zombie_packs = self.reclaimer.zombie_packs()
         died = 0
         for pack in list(ix.scan_packs(self.index)):
@@ -224,14 +240,19 @@ class Collector:
         written and not yet named by the index must not look like a stray);
         this holds the publish lock (a head being written must keep every
         object it names)."""
+        if self.publisher is None:
+            raise CkptfsError("this mount has no volume to publish to (mounted read-only)")
+        if self.fenced is not None:
+            raise Fenced(self.fenced)
         async with self._publishing:
             dead = sum(1 for pack in ix.scan_packs(self.index) if pack.live_chunks == 0)
             self.collect_garbage()
             await self.index.wait_durable(self.index.current_seq())
-            done = await self._publish_locked(force=True)
+            done = await self._publish_locked(force=True, retention_s=0)
             named = {packs.pack_name(n) for n in done.packs_named}
             named |= {packs.pack_name(n) for n in ix.scan_pack_numbers(self.index)}
-            stray, temp = await trio.to_thread.run_sync(self._gc_blocking, named,
+            own_space = self.index.counters[b"next_pack"] >> SPACE_SHIFT
+            stray, temp = await trio.to_thread.run_sync(self._gc_blocking, named, own_space,
                                                         limiter=self.limiter)
             # No pass runs (the lock): every intent is a leftover, every dead
             # pack unnamed by the snapshot: their blobs are gone now.
@@ -245,11 +266,16 @@ class Collector:
                     "old_heads": done.heads_deleted, "objects": done.objects_deleted,
                     "temporary_files": temp, "snapshot": done.seq}
 
-    def _gc_blocking(self, named: set[str]) -> tuple[int, int]:
+    def _gc_blocking(self, named: set[str], own_space: int) -> tuple[int, int]:
         # Packs neither the index nor the snapshot just published names: written
         # but never flipped to (a crash, or a batch whose chunks all went
-        # meanwhile), or dead before a crash. Only once no move runs.
-        stray = [n for n in self.backend.list(packs.PACK_PREFIX) if n not in named]
+        # meanwhile), or dead before a crash. Only once no move runs, and only in
+        # this volume's pack spaces: other volumes' packs are theirs.
+        self.publisher.volume.fence()          # deletes only while this node holds it
+        spaces = self.publisher.volume.state().spaces | {own_space}
+        stray = [n for n in self.backend.list(packs.PACK_PREFIX)
+                 if n not in named and (packs.pack_number(n) is None       # no one's
+                                        or packs.pack_number(n) >> SPACE_SHIFT in spaces)]
         for name in stray:
             self.backend.delete(name)
         temp = self.backend.remove_incomplete(older_than=0)    # no write runs: see gc

@@ -155,9 +155,16 @@ class Filesystem:
         self.handles.clear()
         self.open_count.clear()
         self.lookups.clear()
-        for ino in self.ns.orphans():
-            self._purge(ino)
-        self.index.set_clean(True)
+        try:
+            for ino in self.ns.orphans():
+                self._purge(ino)
+            self.index.set_clean(True)
+        except ReadOnly as e:
+            if self.index.fenced is None:
+                raise
+            # Fenced (another node holds the volume): nothing more is written;
+            # the next mount purges orphans as after a crash.
+            log.warning("unmounting read-only (%s): orphans left for the next mount", e)
         try:
             await self.index.wait_durable(self.index.current_seq())
         except IndexFull as e:
@@ -307,8 +314,7 @@ class Filesystem:
         return h
 
     async def write(self, fh: int, off: int, data: bytes) -> int:
-        if self.index.failure is not None:
-            raise ReadOnly("filesystem is read-only after an index failure")
+        self.index.check_writable()
         ino = self.handle(fh).ino
         # Backpressure: a write that finds the log full waits while tiering
         # moves cold data out.
@@ -455,8 +461,9 @@ class Filesystem:
             "bytes_written": self.files.bytes_written,
             "bytes_read": self.files.bytes_read,
             "errors": dict(self.errors_by_kind),
-            "read_only": self.index.failure is not None,
-            "last_error": str(self.index.failure) if self.index.failure else None,
+            "read_only": self.index.failure is not None or self.index.fenced is not None,
+            "last_error": (str(self.index.failure) if self.index.failure
+                           else self.index.fenced),
             **self.index.stats(),
             **(self.tierer.stats() if self.tierer is not None else {"tiering": False}),
         }

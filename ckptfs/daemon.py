@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import errno
 import logging
+import math
 import os
 import shutil
 import signal
@@ -48,7 +49,8 @@ import trio
 from . import adopt, control
 from . import index as ix
 from .core import CommitPolicy, Filesystem
-from .errors import BackingCredentials, CkptfsError, FormatError, OperationFailed, one_line
+from .errors import (AlreadyExists, BackingCredentials, CkptfsError, FormatError,
+                     OperationFailed, one_line)
 from .sources import SourceFiles
 from .tierplan import TierPolicy, TierSetup
 from .fuse_ops import CkptfsOperations
@@ -62,6 +64,7 @@ from .errors import ExitCode
 from .mounts import fsname_encode, mount_device
 from .statedir import backing_root, index_exists, lock_source, log_path, remember_log_path
 from .pmemlog import CREATING_SUFFIX, PmemLog
+from .volumes import Attached
 
 log = logging.getLogger("ckptfs.daemon")
 
@@ -80,6 +83,7 @@ class State:
     sources: SourceFiles
     backend: Optional[Backend]
     fs_uuid: bytes
+    attached: Optional["Attached"] = None      # the volume, when there is a store
 
     def close(self) -> None:
         if self.backend is not None:
@@ -183,10 +187,36 @@ def open_state(opts: MountOptions, attempt: Optional[Attempt] = None) -> State:
         remember_log_path(index, opts)
         index.keep_reserve()
         backend = open_backing(opts, index, fs_uuid, attempt) if opts.tiering else None
+        attached = None
         if backend is not None:
             undo.callback(backend.close)
+            attached = attach_volume(opts, index, backend, fs_uuid, attempt)
         undo.pop_all()
-    return State(opts, lock_fd, source_fd, index, plog, sources, backend, fs_uuid)
+    return State(opts, lock_fd, source_fd, index, plog, sources, backend, fs_uuid, attached)
+
+
+def attach_volume(opts: MountOptions, index: Index, backend: Backend, fs_uuid: bytes,
+                  attempt: Attempt) -> Optional["Attached"]:
+    """The filesystem's volume in its store (`volumes.attach`): made, taken
+    over, or found fenced. A read-only mount takes nothing. May block."""
+    from . import volumes
+    if opts.read_only:
+        record = ix.get_volume(index)
+        if record is None or record.takeover:
+            return None
+        return volumes.Attached(volumes.Volume(backend, record.name, record.gen, fs_uuid))
+    new = ix.get_volume(index) is None
+    attached = volumes.attach(backend, index, opts.volume, fs_uuid)
+    if new:
+        # A first mount that fails must leave the name (and its pack space) free again.
+        for blob in attached.undo_blobs():
+            attempt.undo.append(lambda blob=blob: backend.delete(blob))
+    for note in attached.notes:
+        log.info("%s", note)
+    if attached.fenced is not None:
+        log.error("%s", attached.fenced)
+        attempt.notes.append(f"warning: {attached.fenced}")
+    return attached
 
 
 def create_index(opts: MountOptions, source_fd: int, attempt: Attempt) -> None:
@@ -268,13 +298,20 @@ def open_backing(opts: MountOptions, index: Index, fs_uuid: bytes,
     root = backing_root(opts, index)
     known = ix.get_store_uuid(index)
     store_kw = {"profile": opts.aws_profile}
+    # A store other filesystems use already is joined (each is a volume of it).
     if known is None and is_url(root):
-        backend = open_backend(root, uuidlib.UUID(bytes=fs_uuid), create=True, **store_kw)
+        try:
+            backend = open_backend(root, uuidlib.UUID(bytes=fs_uuid), create=True, **store_kw)
+        except AlreadyExists as e:
+            if "already holds ckptfs store" not in str(e):
+                raise
+            backend = open_backend(root, None, create=True, **store_kw)
         if attempt is not None and backend.created:
             attempt.undo.append(backend.remove_if_empty)
         index.write_direct(lambda txn: ix.set_store(txn, backend.store_uuid.bytes,
                                                     root.encode()))
-        log.info("backing store %s created", backend.url)
+        log.info("backing store %s %s", backend.url,
+                 "created" if backend.created else "joined (it holds other volumes)")
         backend.close()
         known = backend.store_uuid.bytes
     elif known is None:
@@ -283,15 +320,22 @@ def open_backing(opts: MountOptions, index: Index, fs_uuid: bytes,
         while not os.path.lexists(path):
             missing.append(path)
             path = os.path.dirname(path)
-        backend = LocalBackend.create(root, uuidlib.UUID(bytes=fs_uuid))
-        if attempt is not None:
+        joined = os.path.lexists(os.path.join(root, MARKER_NAME))   # other volumes' store
+        try:
+            backend = LocalBackend.create(root, uuidlib.UUID(bytes=fs_uuid))
+        except AlreadyExists as e:
+            if "already holds ckptfs store" not in str(e):
+                raise
+            backend = LocalBackend.create(root)
+        if attempt is not None and not joined:
             for made in reversed(missing[1:]):
                 attempt.made(made)
             attempt.made(missing[0] if missing else os.path.join(root, MARKER_NAME),
                          tree=bool(missing))
         index.write_direct(lambda txn: ix.set_store(txn, backend.store_uuid.bytes,
                                                     os.path.abspath(root).encode()))
-        log.info("backing store %s created", backend.url)
+        log.info("backing store %s %s", backend.url,
+                 "joined (it holds other volumes)" if joined else "created")
         backend.close()
         known = backend.store_uuid.bytes
     mountpoint = os.path.realpath(opts.mountpoint)
@@ -367,7 +411,9 @@ def build_filesystem(state: State) -> Filesystem:
     tiering = None
     if state.backend is not None:
         tiering = TierSetup(state.backend, TierPolicy(hot_versions=opts.hot_versions),
-                            state.fs_uuid)
+                            volume=None if state.attached is None else state.attached.volume,
+                            publish_delay_s=publish_delay(opts, state.index),
+                            read_only=opts.read_only)
     return Filesystem(state.index, state.log, state.sources,
                       CommitPolicy(sync=opts.sync, lazy_max_delay_s=opts.lazy_delay_s),
                       dedup=opts.dedup, tiering=tiering)
@@ -425,6 +471,10 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
         purged = fs.recover()
         if purged:
             log.info("purged %d orphaned inodes", purged)
+        publishing = None if fs.tierer is None else fs.tierer.publishing
+        if state.attached is not None and state.attached.fenced is not None \
+                and publishing is not None:
+            publishing.fence(state.attached.fenced)     # read-only from here on
         fastpath.want(True)
         try:
             pyfuse3.init(CkptfsOperations(fs), opts.mountpoint, fuse_options(opts))
@@ -476,8 +526,9 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
 
 
 async def shut_down(fs: Filesystem) -> None:
-    """A clean unmount's work, with the committer still running: stop the mover,
-    commit every closed file, publish a snapshot, then end the committer."""
+    """A clean unmount's work, with the committer still running: stop the mover
+    (and publishing), commit every closed file, publish a snapshot, then end
+    the committer."""
     try:
         if fs.tierer is not None:
             await fs.tierer.stop()
@@ -508,12 +559,31 @@ async def _report_ready(ready_fd: Optional[int], opts: MountOptions,
     _report(ready_fd, "OK")
 
 
+def publish_delay(opts: MountOptions, index: Index) -> Optional[float]:
+    """Seconds within which commits are copied to the store, None for off.
+    Default: on (DEFAULT_DELAY_S) for a store backing= names, which may survive
+    the node; off for the default store inside SOURCE, which does not."""
+    from .publish import DEFAULT_DELAY_S
+    if opts.publish_delay_s is not None:
+        return None if math.isinf(opts.publish_delay_s) else opts.publish_delay_s
+    default_store = os.path.join(opts.state_dir, "store")
+    root = backing_root(opts, index)
+    return None if not is_url(root) and os.path.abspath(root) == default_store \
+        else DEFAULT_DELAY_S
+
+
 def _control_handlers(fs: Filesystem) -> dict:
     async def stat(_: dict) -> dict:
         return {**fs.stats(), **fastpath.stats()}
 
-    async def sync(_: dict) -> dict:
+    async def sync(args: dict) -> dict:
         await fs.sync_all()
+        if args.get("published"):
+            publishing = None if fs.tierer is None else fs.tierer.publishing
+            if publishing is None:
+                raise OperationFailed("this mount publishes nothing (no backing store, "
+                                      "tiering=off, or mounted read-only)")
+            await publishing.wait_published(fs.index.durable_seq)
         return {"durable_seq": fs.index.durable_seq}
 
     async def ping(_: dict) -> dict:

@@ -223,6 +223,19 @@ class StoreAhead(BackingError):
     errno = errno.EIO
 
 
+class VolumeInUse(OperationFailed):
+    """A mount or takeover of a volume another filesystem holds (its lease is
+    in the store), or that moved on since this one was recovered from it."""
+
+
+class Fenced(CkptfsError):
+    """This filesystem lost its volume: another node took it over (a lease of
+    a newer generation is in the store). It publishes nothing more and is
+    read-only from then on."""
+
+    errno = errno.EROFS
+
+
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 
 

@@ -39,6 +39,7 @@ from .backing import open_backend
 from .index import (CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, ROOT_INO, Chunk, DirectTxn, Extent,
                     Index, Inode)
 from . import snapshot_format as sf
+from . import volumes
 from .namespace import NAME_MAX, STATE_DIR_NAME
 from .options import parse_options
 from .chunker import chunk_id
@@ -83,6 +84,7 @@ class Fsck:
     twins: int = 0                                         # chunks whose bytes another holds
     notes: list[str] = field(default_factory=list)         # said, but not problems
     view: Optional[ix.ReadView] = None                     # what the checks read, while they run
+    volume_state: Optional[volumes.VolumeState] = None     # its volume, as the store shows it
 
     def problem(self, check: str, message: str, repair: Optional[Repair] = None) -> None:
         self.findings.append(Finding(check, message, repair))
@@ -97,8 +99,8 @@ class Fsck:
         for check in (self.check_reachable, self.check_root, self.check_dirents,
                       self.check_link_counts, self.check_chunk_records, self.check_extents,
                       self.check_refcounts, self.check_logmap,
-                      self.check_chunk_ids, self.check_packs, self.check_snapshots,
-                      self.check_side_tables,
+                      self.check_chunk_ids, self.check_snapshots, self.check_packs,
+                      self.check_unpublished, self.check_side_tables,
                       self.check_counters, self.check_data):
             check()
 
@@ -375,7 +377,7 @@ class Fsck:
         live_bytes: Counter = Counter()
         in_pack: dict[int, list[Chunk]] = defaultdict(list)
         for chunk in self.chunks.values():
-            if chunk.kind == CHUNK_PACK:
+            if chunk.in_store:              # cold, or a hot chunk's published copy
                 live[chunk.pack_no] += 1
                 live_bytes[chunk.pack_no] += chunk.stored_length
                 in_pack[chunk.pack_no].append(chunk)
@@ -421,8 +423,10 @@ class Fsck:
                              f"({live[pack_no]} chunks: reads of them give EIO)")
             elif self.verify_data:
                 self._check_trailer(pack_no, in_pack[pack_no])
-        in_store = [n for n in map(packs.pack_number, blobs) if n is not None]
+        # Pack numbers of this volume's own space (other volumes number theirs).
         counter = self.index.counters.get(b"next_pack", 0)
+        in_store = [n for n in map(packs.pack_number, blobs)
+                    if n is not None and volumes.pack_space(n) == volumes.pack_space(counter)]
         if in_store and counter <= max(in_store):
             self.problem("packs", f"next_pack is {counter} but the store holds pack "
                          f"{max(in_store)}: the index is older than the store (restored from "
@@ -430,7 +434,11 @@ class Fsck:
                          "raises it, tiering writes no pack",
                          _set_counter(b"next_pack", max(in_store) + 1))
         named = {packs.pack_name(n) for n in recorded} | {packs.pack_name(n) for n in live}
-        for blob in sorted(blobs - named):
+        # Packs of other volumes sharing the store are theirs: only this
+        # volume's pack spaces are looked at for packs nothing names.
+        spaces = self._own_spaces()
+        for blob in sorted(b for b in blobs - named if packs.pack_number(b) is None
+                           or volumes.pack_space(packs.pack_number(b)) in spaces):
             if packs.pack_number(blob) in intents:
                 self.notes.append(f"{blob} was left by an interrupted tiering pass; removed at "
                                   "the next mount or by ckptfs gc")
@@ -439,7 +447,10 @@ class Fsck:
                                   "is published (after the next mount's first pass, or by "
                                   "ckptfs gc)")
             else:
-                self.problem("packs", f"{blob} is named by nothing (dead pack)",
+                previous = self._previous_holder(blob)
+                self.problem("packs", f"{blob} is named by nothing (dead pack"
+                             + (f"; {previous}, the volume's holder before, may have written "
+                                "it after it was taken over" if previous else "") + ")",
                              self._delete_blob_later(blob))
         for pack_no in sorted(intents):
             if packs.pack_name(pack_no) not in blobs:
@@ -447,39 +458,73 @@ class Fsck:
                                   "interrupted (never committed); the next mount or ckptfs gc "
                                   "removes what is left of it")
 
+    def _previous_holder(self, blob: str) -> str:
+        """'node N, generation G' if the pack is in the space of an older lease
+        of this volume (a holder that wrote on in the moment before it found
+        it had been taken over), else ''."""
+        n = packs.pack_number(blob)
+        record = ix.get_volume(self.index)
+        if n is None or self.volume_state is None or record is None:
+            return ""
+        for lease in self.volume_state.leases:
+            if lease.gen < record.gen and lease.space == volumes.pack_space(n):
+                return f"node {lease.node}, generation {lease.gen}"
+        return ""
+
+    def _own_spaces(self) -> set[int]:
+        """The pack-number spaces of this filesystem's volume (its leases'), and
+        of its pack counter."""
+        spaces = {volumes.pack_space(self.index.counters.get(b"next_pack", 0))}
+        if self.volume_state is not None:
+            spaces |= self.volume_state.spaces
+        return spaces
+
     def check_snapshots(self) -> None:
-        """The newest snapshot head in the store reads and names a readable root
-        directory (the rest of its tree is recover's to check), and the index's
-        head counter is above every head: else the next snapshot would sort
-        before an older one and recover would take the older."""
+        """The newest valid snapshot head of the volume reads and names a readable
+        root directory (the rest of its tree is recover's to check), and the
+        index's head counter is above every head: else the next snapshot would
+        sort before an older one and recover would take the older. A newer
+        lease than the index's says the volume was taken over (a finding:
+        this filesystem may not publish any more)."""
         if self.backend is None:
             return                      # check_reachable said what was not checked
-        fs_uuid = self.index.check_format()
+        record = ix.get_volume(self.index)
+        if record is None:
+            return                      # never attached to a volume: nothing published
         try:
-            names = self.backend.list(sf.heads_prefix(fs_uuid))
+            state = self.volume_state = volumes.read_state(self.backend, record.name)
         except CkptfsError as e:
-            self.problem("snapshots", f"not checked: cannot list the snapshot heads: {e}")
+            self.problem("snapshots", f"not checked: cannot list volume {record.name}: {e}")
             return
-        seqs = sorted(s for s in map(sf.head_seq_from_name, names) if s is not None)
-        if not seqs:
+        if not record.takeover and state.generation > record.gen:
+            self.problem("volume", f"volume {record.name} was taken over "
+                         f"({volumes.describe(state.holder)}); this filesystem holds "
+                         f"generation {record.gen}: it is read-only when mounted")
+            return                      # it publishes nothing more: its heads are not its
+        if not state.heads:
             return                      # none published yet: nothing to check
         counter = self.index.counters.get(b"next_head", 0)
-        if counter <= seqs[-1]:
+        top = max(h[1] for h in state.heads)
+        if counter <= top:
             self.problem("snapshots", f"next_head is {counter} but the store holds snapshot "
-                         f"{seqs[-1]}: the index is older than the store (restored from a "
+                         f"{top}: the index is older than the store (restored from a "
                          "copy?); until --repair raises it, mounts publish no snapshot and "
                          "delete no pack (ckptfs recover rebuilds the newer state instead)",
-                         _set_counter(b"next_head", seqs[-1] + 1))
-        name = sf.head_name(fs_uuid, seqs[-1])
+                         _set_counter(b"next_head", top + 1))
+        key = state.newest_valid()
+        if key is None:
+            return
+        scope = volumes.scope(self.backend, record.name)
+        name = volumes.head_name(*key)
         try:
-            head = sf.decode_head(name, fs_uuid, _read_limited(self.backend, name,
-                                                               sf.MAX_HEAD_BYTES))
+            head = sf.decode_volume_head(name, record.name, key,
+                                         _read_limited(scope, name, sf.MAX_HEAD_BYTES))
             root = sf.object_name(head.root)
-            sf.decode_dir(head.root, _read_limited(self.backend, root, sf.MAX_OBJECT_BYTES))
+            sf.decode_dir(head.root, _read_limited(scope, root, sf.MAX_OBJECT_BYTES))
         except (BlobMissing, sf.BadObject) as e:
-            self.problem("snapshots", f"the newest snapshot ({seqs[-1]}) is unusable: {e} "
-                         "(recover would build nothing; --repair publishes a new one)",
-                         self._publish_after_repair())
+            self.problem("snapshots", f"the newest snapshot ({key[0]}-{key[1]}) of volume "
+                         f"{record.name} is unusable: {e} (recover would build nothing; "
+                         "--repair publishes a new one)", self._publish_after_repair())
 
     def _publish_after_repair(self) -> Repair:
         def fix(txn: DirectTxn) -> None:
@@ -541,8 +586,13 @@ class Fsck:
         # repair takes it out of them itself).
         kept = list(self.chunks.values())
         packed = [c for c in kept if c.kind == CHUNK_PACK]
+        copied = [c for c in kept if c.kind == CHUNK_LOG and c.copied]
+        waiting = [c for c in kept if c.kind == CHUNK_LOG and not c.copied]
         for name, want in ((b"stored_pack_bytes", sum(c.stored_length for c in packed)),
                            (b"pack_logical_bytes", sum(c.length for c in packed)),
+                           (b"copy_pack_bytes", sum(c.stored_length for c in copied)),
+                           (b"copy_logical_bytes", sum(c.length for c in copied)),
+                           (b"unpublished_bytes", sum(c.length for c in waiting)),
                            (b"chunks", len(kept)),
                            (b"stored_log_bytes", sum(c.length for c in kept
                                                      if c.kind == CHUNK_LOG)),
@@ -559,6 +609,20 @@ class Fsck:
             if value != want:
                 self.problem("counters", f"{name.decode()} is {value}, the inode table "
                              f"holds {want}", _adjust_counter(name, want - value))
+
+    def check_unpublished(self) -> None:
+        """The unpublished table lists exactly the LOG chunks without a copy in
+        a pack (what publishing still has to copy)."""
+        listed = set(ix.scan_unpublished(self.view))
+        want = {c.chunk_no for c in self.chunks.values() if c.kind == CHUNK_LOG and not c.copied}
+        for no in sorted(listed - want):
+            self.problem("unpublished", f"chunk {no} is listed as unpublished but is not a "
+                         "log chunk without a copy",
+                         lambda txn, no=no: ix.set_unpublished(txn, no, False))
+        for no in sorted(want - listed):
+            self.problem("unpublished", f"log chunk {no} has no copy in the store and is not "
+                         "listed as unpublished (it would never be published)",
+                         lambda txn, no=no: ix.set_unpublished(txn, no, True))
 
     def check_data(self) -> None:
         """Read every stored byte and verify its checksum (the slow part)."""
@@ -585,6 +649,15 @@ class Fsck:
                         self.plog.read_into(buf, chunk.log_off, chunk.length, chunk.crcs, 0)
                         if chunk.chunk_id and chunk_id(buf) != chunk.chunk_id:
                             raise DamagedData("bytes do not match the chunk id")
+                    if chunk.kind == CHUNK_LOG and chunk.copied and self.backend is not None:
+                        # Its published copy is what another node restores: check it too.
+                        from .tier import ColdStore
+                        ColdStore(self.backend, 0).get(Chunk(
+                            chunk.chunk_no, CHUNK_PACK, chunk.refcount, chunk.length,
+                            pack_no=chunk.pack_no, pack_off=chunk.pack_off,
+                            stored_length=chunk.stored_length, codec=chunk.codec,
+                            codec_param=chunk.codec_param, payload_crc=chunk.payload_crc,
+                            chunk_id=chunk.chunk_id))
                     elif chunk.kind == CHUNK_SOURCE:
                         # Reached and checked as the daemon reaches it: never
                         # through a symlink, only the file adopted.
@@ -735,7 +808,7 @@ def _delete_after_snapshot(index: Index, backend: Backend, fs_uuid: bytes, names
     deletions did not happen."""
     from .snapshots import publish_offline
     try:
-        done = publish_offline(index, backend, fs_uuid)
+        done = publish_offline(index, backend)
         print(f"published snapshot {done.seq} of the repaired index", file=out)
         for name in names:
             backend.delete(name)

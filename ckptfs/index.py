@@ -45,13 +45,20 @@ order; little-endian in values):
                            store (docs/STORE.md); durable before the head is
                            written, so heads are numbered in commit order
               b"chunks", b"stored_log_bytes", b"stored_source_bytes",
-              b"stored_pack_bytes", b"pack_logical_bytes" -> u64 totals over
-                           the chunk table, kept in the same transactions as
-                           the chunks (what `ckptfs stat` shows)
+              b"stored_pack_bytes", b"pack_logical_bytes", b"copy_pack_bytes",
+              b"copy_logical_bytes", b"unpublished_bytes" -> u64 totals
+                           over the chunk table, kept in the same
+                           transactions as the chunks (what `ckptfs stat`
+                           shows)
               b"files", b"file_bytes" -> u64 totals over the inode table:
                            regular files and the sum of their sizes, kept by
                            put_inode and delete_inode in the same
                            transactions (`ckptfs stat` without a scan)
+              b"volume" -> the volume this filesystem is in its store
+                           (VolumeRecord, JSON): name, lease generation, the
+                           head its state started from, and whether it was
+                           recovered from the store and still has to take
+                           the volume over (docs/STORE.md, "Volumes")
     inodes    ino -> Inode (see INODE_STRUCT). `parent` is kept for
               directories only (they have exactly one); `data_bytes` is the
               sum of extent lengths (what `du` shows).
@@ -72,6 +79,12 @@ order; little-endian in values):
               kind LOG:    log offset + chunk id (BLAKE3-256 of the bytes; all
                            zeros for data stored without dedup) + CRC-32C
                            per CRC_BLOCK_BYTES block
+                           A LOG chunk may also have a *copy* in a pack
+                           (published, docs/STORE.md): then its record is
+                           kind byte LOG_COPIED (4), log offset + chunk id +
+                           the pack location as for PACK + the CRCs; it is
+                           read from the log, counts in its pack's live
+                           chunks, and tiering only drops its log copy
               kind PACK:   pack no + offset + stored length + codec + codec
                            param + CRC-32C of the stored payload + chunk id:
                            a cold chunk, compressed in a pack file in the
@@ -86,8 +99,13 @@ order; little-endian in values):
     chunkids  chunk id -> chunk no, for every chunk that has an id: how a
               write finds that its bytes are already stored
     packs     pack no -> live chunks + their stored bytes + the pack's size
-              (a pack whose last live chunk goes is deleted from the backing
-              store once that is durable)
+              (live: PACK chunks and copies of LOG chunks in it; a pack
+              whose last live chunk goes is deleted from the backing store
+              once that is durable). Pack numbers: the high 32 bits are a
+              space the volume's lease claimed in the store, so pack names
+              are unique across the volumes of a store (volumes.py)
+    unpublished chunk no -> b"" for every LOG chunk without a copy in a
+              pack: what publishing still has to copy to the store
     logmap    log offset -> chunk no, for every LOG chunk: the log's used
               space, so the free space is its complement (read at mount)
     xattrs    ino + name -> value
@@ -119,6 +137,7 @@ ranges the batch references. A batch is atomic; batches are durable in order.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import stat
@@ -138,8 +157,9 @@ from .errors import DamagedData, FormatError, IndexFailure, IndexFull, ReadOnly
 log = logging.getLogger(__name__)
 
 # 1: no chunk ids; 2: SOURCE chunks without the identity of the file adopted;
-# 3: no file totals (all upgraded in place by upgrade_format).
-FORMAT_VERSION = 4
+# 3: no file totals; 4: no copies of LOG chunks in packs, no unpublished
+# table (all upgraded in place by upgrade_format).
+FORMAT_VERSION = 5
 ROOT_INO = 1
 FIRST_COOKIE = 16  # cookies 1 and 2 are "." and ".." in readdir
 CRC_BLOCK_BYTES = 64 * 1024
@@ -147,9 +167,10 @@ CRC_BLOCK_BYTES = 64 * 1024
 CHUNK_LOG = 1
 CHUNK_SOURCE = 2
 CHUNK_PACK = 3
+_LOG_COPIED = 4          # the record's kind byte of a LOG chunk with a pack copy
 
 DB_NAMES = ("meta", "inodes", "dirents", "dirlist", "extents", "chunks", "chunkids",
-            "logmap", "packs", "xattrs", "symlinks", "orphans")
+            "logmap", "packs", "xattrs", "symlinks", "orphans", "unpublished")
 
 CHUNK_ID_BYTES = 32
 MAX_OFF_T = (1 << 63) - 1       # no inode is larger (files.MAX_FILE_BYTES is the real limit)
@@ -163,7 +184,8 @@ NO_CHUNK_ID = bytes(CHUNK_ID_BYTES)
 ID_COUNTERS = (b"next_ino", b"next_chunk", b"next_cookie", b"next_pack", b"next_head")
 # Totals over the chunk table; add_chunk/delete_chunk/move_chunk keep them exact.
 STAT_COUNTERS = (b"chunks", b"stored_log_bytes", b"stored_source_bytes", b"stored_pack_bytes",
-                 b"pack_logical_bytes")
+                 b"pack_logical_bytes", b"copy_pack_bytes", b"copy_logical_bytes",
+                 b"unpublished_bytes")
 # Totals over the inode table; put_inode/delete_inode keep them exact.
 FILE_COUNTERS = (b"files", b"file_bytes")
 
@@ -272,12 +294,18 @@ class Chunk:
     source_dev: int = 0
     source_ino: int = 0
     chunk_id: bytes = b""            # BLAKE3-256 of the bytes; b"" when not deduplicated
-    pack_no: int = 0                 # CHUNK_PACK: where its compressed payload is
-    pack_off: int = 0
+    pack_no: int = 0                 # CHUNK_PACK, or a copied LOG chunk: where its
+    pack_off: int = 0                # compressed payload is
     stored_length: int = 0
     codec: int = 0
     codec_param: int = 0
     payload_crc: int = 0
+    copied: bool = False             # CHUNK_LOG: a copy is in a pack too (published)
+
+    @property
+    def in_store(self) -> bool:
+        """Its bytes are in a pack of the backing store (cold, or a published copy)."""
+        return self.kind == CHUNK_PACK or (self.kind == CHUNK_LOG and self.copied)
 
     @property
     def source_paths(self) -> list[bytes]:
@@ -285,15 +313,20 @@ class Chunk:
         return self.source_path.split(b"\0")
 
     def encode(self) -> bytes:
+        if self.kind == CHUNK_LOG and self.copied:
+            return _CHUNK_HEAD.pack(_LOG_COPIED, self.refcount, self.length) \
+                + _LOGLOC.pack(self.log_off) + self.chunk_id + self._packloc() + self.crcs
         head = _CHUNK_HEAD.pack(self.kind, self.refcount, self.length)
         if self.kind == CHUNK_LOG:
             return head + _LOGLOC.pack(self.log_off) + (self.chunk_id or NO_CHUNK_ID) + self.crcs
         if self.kind == CHUNK_PACK:
-            return head + _PACKLOC.pack(self.pack_no, self.pack_off, self.stored_length,
-                                        self.codec, self.codec_param, self.payload_crc) \
-                + self.chunk_id
+            return head + self._packloc() + self.chunk_id
         return head + _SOURCE_ID.pack(self.source_fs, self.source_dev, self.source_ino) \
             + self.source_path
+
+    def _packloc(self) -> bytes:
+        return _PACKLOC.pack(self.pack_no, self.pack_off, self.stored_length, self.codec,
+                             self.codec_param, self.payload_crc)
 
     @classmethod
     def decode(cls, chunk_no: int, b: bytes) -> "Chunk":
@@ -311,6 +344,13 @@ class Chunk:
             cid = bytes(rest[_LOGLOC.size:cid_end])
             return cls(chunk_no, kind, refcount, length, log_off=_LOGLOC.unpack_from(rest)[0],
                        crcs=bytes(rest[cid_end:]), chunk_id=b"" if cid == NO_CHUNK_ID else cid)
+        if kind == _LOG_COPIED:
+            cid_end = _LOGLOC.size + CHUNK_ID_BYTES
+            pack_no, pack_off, stored, codec, param, crc = _PACKLOC.unpack_from(rest, cid_end)
+            return cls(chunk_no, CHUNK_LOG, refcount, length, log_off=_LOGLOC.unpack_from(rest)[0],
+                       chunk_id=bytes(rest[_LOGLOC.size:cid_end]), copied=True, pack_no=pack_no,
+                       pack_off=pack_off, stored_length=stored, codec=codec, codec_param=param,
+                       payload_crc=crc, crcs=bytes(rest[cid_end + _PACKLOC.size:]))
         if kind == CHUNK_PACK:
             pack_no, pack_off, stored, codec, param, crc = _PACKLOC.unpack_from(rest)
             return cls(chunk_no, kind, refcount, length, pack_no=pack_no, pack_off=pack_off,
@@ -362,6 +402,7 @@ class Index:
         self._committing: Optional[Batch] = None
         self.durable_seq = 0
         self.failure: Optional[BaseException] = None
+        self.fenced: Optional[str] = None       # why the filesystem is read-only (`fence`)
         self._work = trio.Event()
         self._durable_changed = trio.Event()
         self._stopping = False
@@ -370,6 +411,9 @@ class Index:
         self.commits = 0
         self.commit_seconds_total = 0.0
         self.on_commit: Optional[Callable[[float], None]] = None   # metrics: seconds per batch
+        # Told of every durable batch: its seq and when its first change arrived
+        # (time.monotonic()): the publisher's lag (publish.py).
+        self.on_durable: list[Callable[[int, float], None]] = []
         self.counters: dict[bytes, int] = {}
         self._load_counters()
         # Room for growth; None until `keep_reserve` (fsck and recover keep none).
@@ -549,7 +593,8 @@ class Index:
         Format 1 had no chunk ids and no chunk totals: every LOG chunk gets an
         all-zero id (stored without dedup, never a dedup target) and the
         totals are counted. Formats 1-3 had no file totals: counted (one scan
-        of the inodes). Format 2 did not record which file a SOURCE chunk
+        of the inodes). Formats 1-4 had no copies of LOG chunks in packs:
+        every LOG chunk is listed as unpublished. Format 2 did not record which file a SOURCE chunk
         adopted: source_identity(paths) gives (SOURCE_FS_*, st_dev, st_ino) of
         what the paths reach now, safely (sources.SourceFiles.identify); without
         it, or when it raises OSError, the chunk's identity stays unknown and
@@ -563,22 +608,28 @@ class Index:
         def upgrade(txn: "DirectTxn") -> None:
             if version == 1:
                 _upgrade_chunk_ids(txn)
-            for k, raw in list(txn._items("chunks", u64(0), u64((1 << 64) - 1))):
-                kind, refcount, length = _CHUNK_HEAD.unpack_from(raw)
-                if kind != CHUNK_SOURCE:
-                    continue
-                paths = bytes(raw[_CHUNK_HEAD.size:])
-                chunk = Chunk(read_u64(k), kind, refcount, length, source_path=paths)
-                try:
-                    if source_identity is None:
-                        raise OSError("no SOURCE directory to look in")
-                    chunk.source_fs, chunk.source_dev, chunk.source_ino = \
-                        source_identity(chunk.source_paths)
-                except OSError as e:
-                    unknown.append(f"{paths.split(bytes(1))[0]!r} ({e})")
-                txn._put("chunks", k, chunk.encode())
-            for name, value in count_files(txn).items():
-                txn._put("meta", name, _LOGLOC.pack(value))
+            if version < 3:
+                # Only format 2's SOURCE records are head + paths: later ones
+                # carry the identity, which must not be read as a path.
+                for k, raw in list(txn._items("chunks", u64(0), u64((1 << 64) - 1))):
+                    kind, refcount, length = _CHUNK_HEAD.unpack_from(raw)
+                    if kind != CHUNK_SOURCE:
+                        continue
+                    paths = bytes(raw[_CHUNK_HEAD.size:])
+                    chunk = Chunk(read_u64(k), kind, refcount, length, source_path=paths)
+                    try:
+                        if source_identity is None:
+                            raise OSError("no SOURCE directory to look in")
+                        chunk.source_fs, chunk.source_dev, chunk.source_ino = \
+                            source_identity(chunk.source_paths)
+                    except OSError as e:
+                        unknown.append(f"{paths.split(bytes(1))[0]!r} ({e})")
+                    txn._put("chunks", k, chunk.encode())
+            if version < 4:
+                for name, value in count_files(txn).items():
+                    txn._put("meta", name, _LOGLOC.pack(value))
+            if version < 5:
+                _upgrade_unpublished(txn)
             txn._put("meta", b"format", struct.pack("<I", FORMAT_VERSION))
 
         self.write_direct(upgrade)
@@ -682,10 +733,26 @@ class Index:
     # ---------------------------------------------------------------- writes
 
     def _put(self, db: str, key: bytes, value: bytes) -> None:
+        if self.fenced is not None:
+            raise ReadOnly(self.fenced)
         self._layer(db)[key] = value
 
     def _delete(self, db: str, key: bytes) -> None:
+        if self.fenced is not None:
+            raise ReadOnly(self.fenced)
         self._layer(db)[key] = None
+
+    def check_writable(self) -> None:
+        """ReadOnly once an index failure or a fence made the filesystem read-only."""
+        if self.failure is not None:
+            raise ReadOnly(f"index failed earlier ({self.failure}); filesystem is read-only")
+        if self.fenced is not None:
+            raise ReadOnly(self.fenced)
+
+    def fence(self, reason: str) -> None:
+        """No change is accepted from now on (the volume went to another node:
+        publish.py); what is already in a batch still commits."""
+        self.fenced = reason
 
     def _layer(self, db: str) -> SortedDict:
         if self.failure is not None:
@@ -799,6 +866,8 @@ class Index:
             self.commit_seconds_total += elapsed
             if self.on_commit is not None:
                 self.on_commit(elapsed)
+            for fn in self.on_durable:
+                fn(batch.seq, batch.opened_at if batch.opened_at is not None else started)
             for fn in batch.after_durable:
                 fn()
             self._durable_changed.set()
@@ -1152,7 +1221,8 @@ def chunk_record_problem(chunk: Chunk) -> Optional[str]:
             return f"{len(chunk.crcs) // 4} block CRCs for {blocks} blocks"
         if len(chunk.chunk_id) not in (0, CHUNK_ID_BYTES):
             return f"chunk id of {len(chunk.chunk_id)} bytes"
-        return None
+        if not chunk.copied:
+            return None
     if chunk.stored_length > chunk.length:
         return f"payload of {chunk.stored_length} bytes for a {chunk.length}-byte chunk"
     if len(chunk.chunk_id) != CHUNK_ID_BYTES:
@@ -1227,10 +1297,42 @@ def delete_chunk(kv, chunk: Chunk) -> None:
 
 
 def move_chunk(kv, old: Chunk, new: Chunk) -> None:
-    """The same chunk (number, id, refcount) now stored elsewhere (tiered)."""
+    """The same chunk (number, id, refcount) now stored elsewhere: tiered (LOG
+    to PACK: a copy, if it had one, becomes the chunk), or copied to a pack
+    (LOG to LOG with `copied`)."""
     _count_chunk(kv, old, -1)
     kv._put("chunks", u64(new.chunk_no), new.encode())
     _count_chunk(kv, new, +1)
+
+
+def copy_to_pack(kv, chunk: Chunk, pack_no: int, pack_off: int, stored_length: int,
+                 codec: int, codec_param: int, payload_crc: int, chunk_id: bytes) -> Chunk:
+    """A LOG chunk now also has a copy in a pack (published); it stays in the
+    log. Returns the new record."""
+    new = Chunk(chunk.chunk_no, CHUNK_LOG, chunk.refcount, chunk.length, log_off=chunk.log_off,
+                crcs=chunk.crcs, chunk_id=chunk_id, copied=True, pack_no=pack_no,
+                pack_off=pack_off, stored_length=stored_length, codec=codec,
+                codec_param=codec_param, payload_crc=payload_crc)
+    move_chunk(kv, chunk, new)
+    return new
+
+
+def drop_log_copy(kv, chunk: Chunk) -> Chunk:
+    """A copied LOG chunk becomes a PACK chunk (tiered without writing a
+    pack); its log space is the caller's to release once that is durable."""
+    new = Chunk(chunk.chunk_no, CHUNK_PACK, chunk.refcount, chunk.length, pack_no=chunk.pack_no,
+                pack_off=chunk.pack_off, stored_length=chunk.stored_length, codec=chunk.codec,
+                codec_param=chunk.codec_param, payload_crc=chunk.payload_crc,
+                chunk_id=chunk.chunk_id)
+    move_chunk(kv, chunk, new)
+    return new
+
+
+def _count_pack(kv, chunk: Chunk, sign: int) -> None:
+    pack = get_pack(kv, chunk.pack_no) or PackInfo(chunk.pack_no, 0, 0, 0)
+    pack.live_chunks += sign
+    pack.live_bytes += sign * chunk.stored_length
+    put_pack(kv, pack)
 
 
 def _count_chunk(kv, chunk: Chunk, sign: int) -> None:
@@ -1241,13 +1343,21 @@ def _count_chunk(kv, chunk: Chunk, sign: int) -> None:
         else:
             kv._delete("logmap", u64(chunk.log_off))
         kv.adjust_counter(b"stored_log_bytes", sign * chunk.length)
+        if chunk.copied:
+            kv.adjust_counter(b"copy_pack_bytes", sign * chunk.stored_length)
+            kv.adjust_counter(b"copy_logical_bytes", sign * chunk.length)
+            _count_pack(kv, chunk, sign)
+        else:
+            # Not in the store yet: publishing copies it (publish.py).
+            if sign > 0:
+                kv._put("unpublished", u64(chunk.chunk_no), b"")
+            else:
+                kv._delete("unpublished", u64(chunk.chunk_no))
+            kv.adjust_counter(b"unpublished_bytes", sign * chunk.length)
     elif chunk.kind == CHUNK_PACK:
         kv.adjust_counter(b"stored_pack_bytes", sign * chunk.stored_length)
         kv.adjust_counter(b"pack_logical_bytes", sign * chunk.length)
-        pack = get_pack(kv, chunk.pack_no) or PackInfo(chunk.pack_no, 0, 0, 0)
-        pack.live_chunks += sign
-        pack.live_bytes += sign * chunk.stored_length
-        put_pack(kv, pack)
+        _count_pack(kv, chunk, sign)
     else:
         kv.adjust_counter(b"stored_source_bytes", sign * chunk.length)
 
@@ -1699,3 +1809,82 @@ def inode_record(kv, ino: int) -> Optional[bytes]:
     (a snapshot reuses what it made of it)."""
     raw = kv._get("inodes", ino_key(ino))
     return None if raw is None else bytes(raw)
+
+
+# ---------------------------------------------------------------- publishing
+
+def scan_unpublished(kv, after: int = -1, limit: int = 1 << 62) -> list[int]:
+    """Numbers of LOG chunks not yet copied to the store, in order, after `after`."""
+    out = []
+    for k, _ in kv._items("unpublished", u64(after + 1), u64((1 << 64) - 1)):
+        out.append(read_u64(k))
+        if len(out) >= limit:
+            break
+    return out
+
+
+def set_unpublished(kv, chunk_no: int, listed: bool) -> None:
+    """List (or not) a chunk as unpublished: fsck's repair; the chunk
+    operations keep the table by themselves."""
+    if listed:
+        kv._put("unpublished", u64(chunk_no), b"")
+    else:
+        kv._delete("unpublished", u64(chunk_no))
+
+
+@dataclass
+class VolumeRecord:
+    """What the index knows of its volume (docs/STORE.md, "Volumes").
+
+    `gen`: the lease generation this filesystem holds (or, while `takeover`
+    is set, the newest one recover saw). `base`: the head (gen, seq) its state
+    started from (recover), None for a volume it made. `takeover`: recovered
+    from the store; the next mount takes the volume over (a lease gen + 1),
+    unless the volume's newest valid head is no longer `seen`, the newest
+    one when recover ran (`base` itself, unless recover was told --head)."""
+
+    name: str
+    gen: int
+    base: Optional[tuple[int, int]] = None
+    takeover: bool = False
+    seen: Optional[tuple[int, int]] = None
+
+    def encode(self) -> bytes:
+        return json.dumps({"name": self.name, "gen": self.gen, "takeover": self.takeover,
+                           "base": list(self.base) if self.base else None,
+                           "seen": list(self.seen) if self.seen else None},
+                          sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "VolumeRecord":
+        try:
+            doc = json.loads(raw)
+            base, seen = doc["base"], doc.get("seen")
+            return cls(str(doc["name"]), int(doc["gen"]),
+                       (int(base[0]), int(base[1])) if base else None, bool(doc["takeover"]),
+                       (int(seen[0]), int(seen[1])) if seen else None)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise FormatError(f"the index's volume record is damaged ({e})") from None
+
+
+def get_volume(kv) -> Optional[VolumeRecord]:
+    raw = kv._get("meta", b"volume")
+    return None if raw is None else VolumeRecord.decode(bytes(raw))
+
+
+def set_volume(kv, record: VolumeRecord) -> None:
+    kv._put("meta", b"volume", record.encode())
+
+
+def _upgrade_unpublished(txn: "DirectTxn") -> None:
+    """Format 4 -> 5: every LOG chunk is unpublished (no copies existed)."""
+    total = 0
+    for _, v in list(txn._items("logmap", u64(0), u64((1 << 64) - 1))):
+        chunk = get_chunk(txn, read_u64(v)) if len(v) == 8 else None
+        if chunk is None or chunk.kind != CHUNK_LOG:
+            continue                    # damaged: fsck reports it
+        txn._put("unpublished", u64(chunk.chunk_no), b"")
+        total += chunk.length
+    for name in (b"copy_pack_bytes", b"copy_logical_bytes"):
+        txn._put("meta", name, _LOGLOC.pack(0))
+    txn._put("meta", b"unpublished_bytes", _LOGLOC.pack(total))

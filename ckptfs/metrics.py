@@ -142,6 +142,11 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Bytes moved to the backing store since mount (rate() = tiering throughput)"),
     ("tier_packs_written", "ckptfs_tier_packs_written",
      "Packs written to the backing store since mount"),
+    ("published_bytes", "ckptfs_published_bytes",
+     "Bytes of committed chunks copied to the backing store since mount (rate() = "
+     "publish throughput)"),
+    ("publish_packs_written", "ckptfs_publish_packs_written",
+     "Packs written by publishing since mount"),
     ("cold_cache_hits", "ckptfs_cold_cache_hits", "Cold chunk reads answered from the cache"),
     ("cold_fetches", "ckptfs_cold_fetches", "Cold chunks fetched from the backing store"),
 )
@@ -174,11 +179,21 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("tier_longest_writer_wait_s", "ckptfs_tier_longest_writer_wait_seconds",
      "Longest time a writer waited for log space since mount"),
     ("uptime_s", "ckptfs_uptime_seconds", "Seconds since the daemon mounted"),
+    ("publish_lag_s", "ckptfs_publish_lag_seconds",
+     "Age of the oldest committed change not yet in a published snapshot (0: all published)"),
+    ("publish_backlog_bytes", "ckptfs_publish_backlog_bytes",
+     "Bytes of committed chunks not yet copied to the backing store"),
+    ("published_copy_bytes", "ckptfs_published_copy_bytes",
+     "Bytes in the backing store holding copies of hot chunks (compressed)"),
+    ("volume_generation", "ckptfs_volume_generation",
+     "Lease generation of the volume this filesystem holds"),
 )
 
 _FLAGS: tuple[tuple[str, str, str], ...] = (
     ("read_only", "ckptfs_read_only",
-     "1 if the filesystem turned read-only after an index failure"),
+     "1 if the filesystem turned read-only (an index failure, or its volume taken over)"),
+    ("volume_fenced", "ckptfs_volume_fenced",
+     "1 once another node took this filesystem's volume over (it publishes nothing more)"),
     ("dedup", "ckptfs_dedup_enabled", "1 if dedup=on"),
     ("pmem_dax", "ckptfs_log_dax", "1 if the log is mapped from a DAX device or file"),
 )
@@ -267,6 +282,16 @@ class CkptfsCollector(Collector):
             g = GaugeMetricFamily("ckptfs_tier_state", "1 for the tiering mover's current state",
                                   labels=labels + ["state"])
             g.add_metric(mp + [state], 1.0)
+            yield g
+        state = stats.get("publish_state")
+        if isinstance(state, str):
+            g = GaugeMetricFamily("ckptfs_publish_state", "1 for publishing's current state",
+                                  labels=labels + ["state"])
+            g.add_metric(mp + [state], 1.0)
+            yield g
+            g = GaugeMetricFamily("ckptfs_publish_error", "1 while publishing fails (see "
+                                  "ckptfs stat for publish_last_error)", labels=labels)
+            g.add_metric(mp, 1.0 if stats.get("publish_last_error") else 0.0)
             yield g
         g = GaugeMetricFamily("ckptfs_tier_error",
                               "1 while tiering fails (see ckptfs stat for tier_last_error)",

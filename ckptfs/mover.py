@@ -43,7 +43,7 @@ from . import packs
 from .backing.base import Backend
 from .chunker import chunk_id
 from .debugpause import pause_blocking, pausing_at
-from .errors import BackingFull, BlobMissing, DamagedData, StoreAhead
+from .errors import BackingFull, BlobMissing, DamagedData, Fenced, StoreAhead
 from .index import CHUNK_LOG, CHUNK_PACK, Chunk, Index
 from .pmemlog import PmemLog
 from .reclaim import Reclaimer
@@ -138,6 +138,9 @@ class Mover:
         self.moved_chunks = 0
         self.moved_bytes = 0
         self.packs_written = 0
+        self.copied_bytes = 0              # copies for publishing (publish.py)
+        self.copy_packs_written = 0
+        self.fenced: Optional[str] = None  # the volume went to another node: write nothing
         self._thread = BackgroundThread()
         self._failed_write = trio.Event()
 
@@ -150,9 +153,35 @@ class Mover:
         await self._failed_write.wait()
         self._failed_write = trio.Event()
 
-    async def move_batch(self, batch: list[Chunk]) -> tuple[int, int]:
+    async def copy_batch(self, batch: list[Chunk]) -> tuple[int, int]:
+        """Publishing (publish.py): pack a prefix of these hot chunks and give
+        each still in the log a copy there; they stay in the log. The same
+        pack writing as a move (intent, StoreAhead, leftovers); returns how
+        many chunks it took and the logical bytes copied."""
+        return await self.move_batch(batch, copy=True)
+
+    def drop_log_copies(self, chunks: list[Chunk]) -> int:
+        """Tier chunks that have a published copy: they become PACK chunks at
+        their copy, no pack is written; their log space is released once that
+        is durable. Returns the logical bytes moved."""
+        moved = 0
+        for old in chunks:
+            cur = ix.get_chunk(self.index, old.chunk_no)
+            if cur is None or cur.kind != CHUNK_LOG or not cur.copied \
+                    or cur.log_off != old.log_off:
+                continue            # gone or changed meanwhile
+            ix.drop_log_copy(self.index, cur)
+            self.reclaimer.release_after_durable(cur.log_off, cur.length)
+            moved += cur.length
+            self.moved_chunks += 1
+        self.moved_bytes += moved
+        return moved
+
+    async def move_batch(self, batch: list[Chunk], copy: bool = False) -> tuple[int, int]:
         """Pack a prefix of batch (all of it if the store has room); return how
-        many chunks it took and the logical bytes moved."""
+        many chunks it took and the logical bytes moved (copied: `copy`)."""
+        if self.fenced is not None:
+            raise Fenced(self.fenced)
         self.fence.check("no pack is written: ")
         pack_no = self.index.allocate_id(b"next_pack")
         epoch = self.reclaimer.begin_read()  # the log bytes we read stay put meanwhile
@@ -181,8 +210,11 @@ class Mover:
         finally:
             self.reclaimer.end_read(epoch)
         entries, size = written
-        self.packs_written += 1
-        moved = self._flip(pack_no, size, batch, entries)     # names it, clears the intent
+        if copy:
+            self.copy_packs_written += 1
+        else:
+            self.packs_written += 1
+        moved = self._flip(pack_no, size, batch, entries, copy)   # names it, clears the intent
         self.writing.discard(pack_no)
         return len(entries), moved
 
@@ -249,9 +281,10 @@ class Mover:
         return out, writer.bytes_written
 
     def _flip(self, pack_no: int, size: int, batch: list[Chunk],
-              entries: list[Optional[packs.PackEntry]]) -> int:
-        """Point every chunk that is still where we read it at its pack copy;
-        record the pack and clear its intent (one batch)."""
+              entries: list[Optional[packs.PackEntry]], copy: bool = False) -> int:
+        """Point every chunk that is still where we read it at its pack copy
+        (`copy`: give it that copy, it stays in the log); record the pack and
+        clear its intent (one batch)."""
         ix.put_pack(self.index, ix.PackInfo(pack_no, 0, 0, size))
         ix.delete_pack_intent(self.index, pack_no)
         moved = 0
@@ -261,6 +294,21 @@ class Mover:
             cur = ix.get_chunk(self.index, old.chunk_no)
             if cur is None or cur.kind != CHUNK_LOG or cur.log_off != old.log_off:
                 continue            # gone or changed meanwhile: its pack copy is dead
+            if copy:
+                if cur.copied:
+                    continue        # copied meanwhile: this copy is dead
+                ix.copy_to_pack(self.index, cur, pack_no, entry.offset, entry.stored_length,
+                                entry.codec, entry.param, entry.crc, entry.chunk_id)
+                if not cur.chunk_id and ix.find_chunk_no(self.index, entry.chunk_id) is None:
+                    ix.name_chunk(self.index, entry.chunk_id, cur.chunk_no)
+                moved += cur.length
+                continue
+            if cur.copied:          # published meanwhile: that copy stays, ours is dead
+                ix.drop_log_copy(self.index, cur)
+                self.reclaimer.release_after_durable(cur.log_off, cur.length)
+                moved += cur.length
+                self.moved_chunks += 1
+                continue
             new = Chunk(cur.chunk_no, CHUNK_PACK, cur.refcount, cur.length, pack_no=pack_no,
                         pack_off=entry.offset, stored_length=entry.stored_length,
                         codec=entry.codec, codec_param=entry.param, payload_crc=entry.crc,
@@ -271,7 +319,10 @@ class Mover:
             self.reclaimer.release_after_durable(cur.log_off, cur.length)
             moved += cur.length
             self.moved_chunks += 1
-        self.moved_bytes += moved
+        if copy:
+            self.copied_bytes += moved
+        else:
+            self.moved_bytes += moved
         return moved
 
 

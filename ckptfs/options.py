@@ -8,6 +8,7 @@ sense for ckptfs (auto, nofail, ...) are accepted because fstab passes them.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -39,6 +40,12 @@ OPTIONS: dict[str, tuple[bool, str]] = {
                       "and ~/.aws/credentials; never in these options)"),
     "aws_profile": (True, "s3:// store: the AWS profile of ~/.aws/config and "
                           "~/.aws/credentials to use (default: AWS_PROFILE, else 'default')"),
+    "volume": (True, "this filesystem's name in the backing store (default: the host name); "
+                     "a name another filesystem holds there is refused; `ckptfs recover` "
+                     "with volume= restores a volume and the next mount takes it over"),
+    "publish_delay": (True, "seconds within which every commit is copied to the backing "
+                            "store and published (default 5 when backing= names a store, off "
+                            "for the default store below SOURCE); off: only at tiering"),
     "hot_versions": (True, "checkpoint versions kept hot in the log (default 2); older ones "
                            "move to the backing store"),
     "tiering": (True, "on (default): move cold versions to the backing store in the "
@@ -85,6 +92,8 @@ class MountOptions:
     dedup: bool = True
     backing: Optional[str] = None
     aws_profile: Optional[str] = None
+    volume: Optional[str] = None
+    publish_delay_s: Optional[float] = None     # None: the default; math.inf: off
     hot_versions: int = 2
     tiering: bool = True
     metrics_port: Optional[int] = None
@@ -132,6 +141,11 @@ class MountOptions:
             parts.append(f"backing={self.backing}")
         if self.aws_profile:
             parts.append(f"aws_profile={self.aws_profile}")
+        if self.volume:
+            parts.append(f"volume={self.volume}")
+        if self.publish_delay_s is not None:
+            parts.append("publish_delay=" + ("off" if math.isinf(self.publish_delay_s)
+                                             else f"{self.publish_delay_s}"))
         parts.append(f"hot_versions={self.hot_versions}")
         parts.append(f"tiering={'on' if self.tiering else 'off'}")
         if self.metrics_port is not None:
@@ -222,6 +236,20 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
             raise UsageError(f"aws_profile must be a profile name (letters, digits, . _ + -), "
                              f"not {value!r}")
         opts.aws_profile = value
+    elif name == "volume":
+        from .volumes import check_name
+        opts.volume = check_name(value)
+    elif name == "publish_delay":
+        if value == "off":
+            opts.publish_delay_s = math.inf
+        else:
+            try:
+                opts.publish_delay_s = float(value)
+            except ValueError:
+                raise UsageError(f"publish_delay must be a number of seconds or off, not "
+                                 f"{value!r}") from None
+            if not 0 < opts.publish_delay_s <= 86400:
+                raise UsageError("publish_delay must be between 0 and 86400 seconds, or off")
     elif name == "hot_versions":
         try:
             opts.hot_versions = int(value)

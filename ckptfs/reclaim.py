@@ -28,7 +28,7 @@ from typing import Optional
 
 from . import index as ix
 from .errors import DamagedData
-from .index import CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, Chunk, Index
+from .index import CHUNK_LOG, CHUNK_SOURCE, Chunk, Index
 from .pmemlog import PmemLog
 from .sources import SourceFiles
 
@@ -58,8 +58,9 @@ class Reclaimer:
         return chunk
 
     def zombie_packs(self) -> set[int]:
-        """Packs holding a zombie's bytes (an open file may still commit it)."""
-        return {z.pack_no for z in self.zombies.values() if z.kind == CHUNK_PACK}
+        """Packs holding a zombie's bytes, cold or a published copy (an open file
+        may still commit it)."""
+        return {z.pack_no for z in self.zombies.values() if z.in_store}     # cold or a copy
 
     # ------------------------------------------------------------ pins
 

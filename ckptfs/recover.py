@@ -40,6 +40,7 @@ from tqdm import tqdm
 from . import index as ix
 from . import packs
 from . import snapshot_format as sf
+from . import volumes
 from .backing import open_backend
 from .backing.base import Backend
 from .errors import BlobMissing, CkptfsError, ExitCode, OperationFailed
@@ -108,43 +109,51 @@ def run_recover(source: str, option_strings: Iterable[str], out=None,
 
 
 def _recover(opts, backend: Backend, out, want_head: Optional[int]) -> int:
-    fs_uuid = backend.store_uuid.bytes
     tmp = os.path.join(opts.state_dir, RECOVER_DIR)
     if os.path.lexists(tmp):
         shutil.rmtree(tmp)              # an interrupted recover's: we hold the lock
-    head_names = backend.list(sf.heads_prefix(fs_uuid))
-    seqs = sorted(s for s in (sf.head_seq_from_name(n) for n in head_names) if s is not None)
-    manifests = backend.list(sf.manifests_prefix(fs_uuid)) if not seqs else []
+    source = _choose_source(opts, backend, out)
+    seqs = source.seqs
+    manifests = backend.list(sf.manifests_prefix(source.fs_uuid)) \
+        if not seqs and source.volume is None else []
     if want_head is not None and want_head not in seqs:
-        raise OperationFailed(f"the store {backend.url} holds no snapshot {want_head} "
+        raise OperationFailed(f"{source.where} holds no snapshot {want_head} "
                               f"(it holds {_seq_list(seqs) or 'none'})")
     if not seqs and not manifests:
-        raise OperationFailed(f"the store {backend.url} holds no snapshot of filesystem "
-                              f"{fs_uuid.hex()}: nothing to recover from")
+        raise OperationFailed(f"{source.where} holds no snapshot"
+                              + (f" of filesystem {source.fs_uuid.hex()}" if source.volume is None
+                                 else "") + ": nothing to recover from")
     report = Report()
-    where, more, pack_sizes = _read_packs(backend, out)
+    where, more, pack_sizes = _read_packs(backend, out, source.spaces)
     st = os.stat(opts.source)
     index = Index(tmp)
     unusable: Optional[str] = None
     try:
         try:
-            index.format(fs_uuid, time.time_ns(), st.st_uid, st.st_gid)
+            index.format(source.fs_uuid if source.volume is None else ix.new_fs_uuid(),
+                         time.time_ns(), st.st_uid, st.st_gid)
             builder = Builder(index, where, report, backend, more)
+            record = None
             if seqs:
                 seq = want_head if want_head is not None else seqs[-1]
                 try:
-                    head = _read_head(backend, fs_uuid, seq)
+                    head = source.read_head(seq)
                     report.head = seq
                     print(f"recovering snapshot {seq} of {_when(head.time_ns)} from "
-                          f"{backend.url}: {head.entries} entries, {head.files} files "
+                          f"{source.where}: {head.entries} entries, {head.files} files "
                           f"({head.incomplete_files} not wholly in the store)", file=out)
-                    SnapshotWalk(backend, head, builder).run(index)
+                    SnapshotWalk(source.objects, head, builder).run(index)
+                    if source.volume is not None:
+                        # The next mount takes the volume over from this head.
+                        record = ix.VolumeRecord(source.volume, source.state.generation,
+                                                 (head.gen, head.seq), takeover=True,
+                                                 seen=source.state.newest_valid())
                 except HeadUnusable as e:
                     unusable = f"cannot recover snapshot {seq}: {e}"
             else:
-                _from_manifests(backend, fs_uuid, manifests, builder, st, report)
+                _from_manifests(backend, source.fs_uuid, manifests, builder, st, report)
             if unusable is None:
-                builder.finish(backend, pack_sizes, seqs)
+                builder.finish(backend, pack_sizes, source.all_seqs, record)
         finally:
             index.close()
         if unusable is None:
@@ -198,16 +207,20 @@ def _move_into_place(tmp: str, opts) -> None:
 Copy = tuple[int, packs.PackEntry]          # a pack number and its trailer's entry
 
 
-def _read_packs(backend: Backend, out) -> tuple[dict[bytes, Copy], dict[bytes, list[Copy]],
-                                                dict[int, Optional[int]]]:
-    """Where every chunk is, from the pack trailers; a damaged pack is named.
+def _read_packs(backend: Backend, out, spaces: Optional[set[int]]
+                ) -> tuple[dict[bytes, Copy], dict[bytes, list[Copy]], dict[int, Optional[int]]]:
+    """Where every chunk is, from the trailers of the packs in these pack
+    spaces (None: all, a store before volumes); a damaged pack is named.
     Returns the first pack listing each chunk id, the further ones for ids
     several packs list, and the sizes of the readable packs (a damaged one's
-    number maps to None: its name stays taken, the pack counter passes it)."""
+    number maps to None: its name stays taken, the pack counter passes it).
+    Other volumes' packs are theirs to delete: never named by this index."""
     where: dict[bytes, Copy] = {}
     more: dict[bytes, list[Copy]] = {}
     sizes: dict[int, Optional[int]] = {}
-    names = backend.list(packs.PACK_PREFIX)
+    names = [n for n in backend.list(packs.PACK_PREFIX)
+             if spaces is None or packs.pack_number(n) is None
+             or volumes.pack_space(packs.pack_number(n)) in spaces]
     for name in tqdm(names, desc="reading packs", unit="pack", disable=not sys.stderr.isatty(),
                      file=sys.stderr):
         pack_no = packs.pack_number(name)
@@ -235,6 +248,85 @@ def _read_blob(backend: Backend, name: str, limit: int) -> bytes:
     if size > limit:
         raise sf.BadObject(f"{name}: {size} bytes, more than the {limit} it may have")
     return backend.read(name, 0, size)
+
+
+@dataclass
+class _Source:
+    """Where recover reads a snapshot from: a volume (its scope of the store)
+    or, for a store before volumes, the store's root."""
+
+    backend: Backend
+    objects: Backend                  # where heads and objects are
+    where: str                        # for messages
+    fs_uuid: bytes
+    volume: Optional[str] = None
+    state: Optional[volumes.VolumeState] = None
+    keys: dict[int, tuple[int, int]] = field(default_factory=dict)    # seq -> valid head
+    _legacy: list[int] = field(default_factory=list)     # head numbers before volumes
+
+    @property
+    def seqs(self) -> list[int]:
+        """Sequence numbers of the heads to choose from (valid ones), in order."""
+        return sorted(self.keys) if self.volume is not None else self._legacy
+
+    @property
+    def all_seqs(self) -> list[int]:
+        """Every head's number, valid or not: the index's counter goes above all."""
+        if self.volume is None:
+            return self._legacy
+        return [h[1] for h in self.state.heads]
+
+    @property
+    def spaces(self) -> Optional[set[int]]:
+        return None if self.state is None else self.state.spaces
+
+    def read_head(self, seq: int) -> sf.Head:
+        if self.volume is None:
+            return _read_head(self.backend, self.fs_uuid, seq)
+        key = self.keys[seq]
+        name = volumes.head_name(*key)
+        try:
+            return sf.decode_volume_head(name, self.volume, key,
+                                         _read_blob(self.objects, name, sf.MAX_HEAD_BYTES))
+        except (BlobMissing, sf.BadObject) as e:
+            raise HeadUnusable(str(e)) from None
+
+
+def _choose_source(opts, backend: Backend, out) -> _Source:
+    """The volume to restore: `-o volume=NAME`, else the one named after this
+    host, else the only one; a store before volumes: the filesystem its marker
+    names."""
+    fs_uuid = backend.store_uuid.bytes
+    names = volumes.volume_names(backend)
+    name = opts.volume
+    if name is None and names:
+        default = volumes.default_name()
+        if default in names:
+            name = default
+        elif len(names) == 1:
+            name = names[0]
+            print(f"the store holds one volume, {name}: recovering it", file=out)
+        else:
+            raise OperationFailed(f"{backend.url} holds volumes {', '.join(names[:20])}: "
+                                  "name the one to recover with -o volume=NAME")
+    if name is None:
+        legacy = sorted(s for s in (sf.head_seq_from_name(n)
+                                    for n in backend.list(sf.heads_prefix(fs_uuid)))
+                        if s is not None)
+        return _Source(backend, backend, backend.url, fs_uuid, _legacy=legacy)
+    if name not in names:
+        raise OperationFailed(f"{backend.url} holds no volume {name} (it holds "
+                              f"{', '.join(names[:20]) or 'none'})")
+    state = volumes.read_state(backend, name)
+    for why in state.damaged:
+        print(f"note: {why}", file=out)
+    keys = {h[1]: h for h in state.valid_heads()}
+    fenced = [h for h in state.heads if not state.valid(h)]
+    if fenced:
+        print(f"note: {len(fenced)} head(s) of volume {name} are fenced (published by a "
+              "node after it lost the volume) and are ignored", file=out)
+    return _Source(backend, volumes.scope(backend, name), f"volume {name} of {backend.url}",
+                   fs_uuid, name, state, keys)
 
 
 def _read_head(backend: Backend, fs_uuid: bytes, seq: int) -> sf.Head:
@@ -419,10 +511,13 @@ class Builder:
         self.report.nodes += 1
 
     def finish(self, backend: Backend, pack_sizes: dict[int, Optional[int]],
-               head_seqs: list[int]) -> None:
-        """Counters (never below what the store already used), the store, clean."""
-        self.counters[b"next_pack"] = max([self.counters[b"next_pack"],
-                                           *(n + 1 for n in pack_sizes)])
+               head_seqs: list[int], volume: Optional[ix.VolumeRecord] = None) -> None:
+        """Counters (never below what the store already used), the store, clean;
+        the volume to take over. A volume's next pack number comes from the
+        space of the lease the takeover takes (volumes.attach)."""
+        if volume is None:
+            self.counters[b"next_pack"] = max([self.counters[b"next_pack"],
+                                               *(n + 1 for n in pack_sizes)])
         # A later snapshot must sort after every head already in the store.
         self.counters[b"next_head"] = max([self.counters[b"next_head"],
                                            *(s + 1 for s in head_seqs)])
@@ -439,6 +534,8 @@ class Builder:
                 pack.size_bytes = size
                 ix.put_pack(txn, pack)
             ix.write_counters(txn, self.counters)
+            if volume is not None:
+                ix.set_volume(txn, volume)
             ix.set_store(txn, backend.store_uuid.bytes, backend.location.encode())
             ix.mark_clean(txn, True)
 

@@ -7,8 +7,14 @@ recover` decodes and validates with it, so what one writes the other reads
     objects/<first 2 hex>/<64 hex>    a namespace object, named by BLAKE3-256 of
                                       its bytes (so an unchanged directory or file
                                       is written once, whichever snapshot names it)
-    heads/<fs uuid hex>/<16 hex>      a head: the snapshot with that sequence
+    heads/<gen 16 hex>-<seq 16 hex>   a head: the snapshot with that sequence
                                       number (a counter of the index, never reused)
+                                      published under that lease generation
+
+These names are inside a volume's part of the store, `volumes/<name>/`
+(`volumes.py`). Before volumes, one filesystem owned the store's root and
+its heads were `heads/<fs uuid hex>/<16 hex>` there (version 1 heads, still
+read by recover).
 
 Every object is one canonical JSON document (sorted keys, no spaces, ASCII):
 
@@ -42,8 +48,11 @@ below MAX_OBJECT_BYTES and can be written and read one page at a time.
 
 A head is one JSON document too, with a BLAKE3 check of itself:
 
-    {"format":"ckptfs-head","version":1,"fs_uuid":HEX,"seq":N,"time_ns":NS,
-     "root":ID,"entries":N,"files":N,"incomplete_files":N,"check":HEX}
+    {"format":"ckptfs-head","version":2,"volume":NAME,"gen":G,"fs_uuid":HEX,
+     "seq":N,"time_ns":NS,"root":ID,"entries":N,"files":N,
+     "incomplete_files":N,"check":HEX}
+
+(version 1, before volumes, has neither "volume" nor "gen".)
 
 `decode_*` check everything before returning (types, ranges, names, order,
 the object's BLAKE3 against its name) and raise BadObject with what is wrong;
@@ -63,7 +72,8 @@ from .errors import FormatError
 from .files import MAX_FILE_BYTES
 from .namespace import NAME_MAX, XATTR_NAME_MAX, XATTR_VALUE_MAX
 
-VERSION = 1
+VERSION = 1                    # namespace objects and legacy heads
+HEAD_VERSION = 2               # heads of a volume
 OBJECT_PREFIX = "objects/"
 HEAD_PREFIX = "heads/"
 HEAD_FORMAT = "ckptfs-head"
@@ -192,6 +202,8 @@ class Head:
     entries: int
     files: int
     incomplete_files: int
+    volume: str = ""             # "" for a version 1 head (before volumes)
+    gen: int = 0
 
 
 # --------------------------------------------------------------- encoding
@@ -290,6 +302,8 @@ def encode_head(h: Head) -> bytes:
     doc = {"format": HEAD_FORMAT, "version": VERSION, "fs_uuid": h.fs_uuid.hex(),
            "seq": h.seq, "time_ns": h.time_ns, "root": h.root.hex(), "entries": h.entries,
            "files": h.files, "incomplete_files": h.incomplete_files}
+    if h.volume:
+        doc.update(version=HEAD_VERSION, volume=h.volume, gen=h.gen)
     doc["check"] = object_id(_dumps(doc)).hex()
     return _dumps(doc)
 
@@ -522,7 +536,7 @@ class ExtentCheck:
         self.end = x.file_off + x.length
 
 
-def decode_head(name: str, fs_uuid: bytes, raw: bytes) -> Head:
+def _head_doc(name: str, raw: bytes, version: int) -> dict:
     what = f"head {name}"
     doc = _load(raw, MAX_HEAD_BYTES, what)
     check = doc.pop("check", None)
@@ -530,17 +544,46 @@ def decode_head(name: str, fs_uuid: bytes, raw: bytes) -> Head:
         raise BadObject(f"{what}: its check does not match (damaged)")
     if doc.get("format") != HEAD_FORMAT:
         raise BadObject(f"{what}: not a ckptfs head")
-    if doc.get("version") != VERSION or type(doc.get("version")) is not int:
-        raise BadObject(f"{what}: version {doc.get('version')!r}, this ckptfs reads {VERSION}")
+    if doc.get("version") != version or type(doc.get("version")) is not int:
+        raise BadObject(f"{what}: version {doc.get('version')!r}, expected {version} here")
+    return doc
+
+
+def _head(doc: dict, what: str, fs_uuid: bytes, seq: int, volume: str = "",
+          gen: int = 0) -> Head:
+    return Head(fs_uuid, seq, _int(doc, "time_ns", *_I64, what),
+                _hex_id(doc.get("root"), f"{what}: root"),
+                _int(doc, "entries", 0, _U64, what), _int(doc, "files", 0, _U64, what),
+                _int(doc, "incomplete_files", 0, _U64, what), volume, gen)
+
+
+def decode_head(name: str, fs_uuid: bytes, raw: bytes) -> Head:
+    """A version 1 head (`heads/<fs uuid>/<seq>`, before volumes), checked."""
+    what = f"head {name}"
+    doc = _head_doc(name, raw, VERSION)
     if doc.get("fs_uuid") != fs_uuid.hex():
         raise BadObject(f"{what}: names filesystem {str(doc.get('fs_uuid'))[:40]}")
     seq = _int(doc, "seq", 0, _U64, what)
     if head_seq_from_name(name) != seq:
         raise BadObject(f"{what}: says it is head {seq}")
-    return Head(fs_uuid, seq, _int(doc, "time_ns", *_I64, what),
-                _hex_id(doc.get("root"), f"{what}: root"),
-                _int(doc, "entries", 0, _U64, what), _int(doc, "files", 0, _U64, what),
-                _int(doc, "incomplete_files", 0, _U64, what))
+    return _head(doc, what, fs_uuid, seq)
+
+
+def decode_volume_head(name: str, volume: str, key: tuple[int, int], raw: bytes) -> Head:
+    """A head of a volume (named `heads/<gen>-<seq>` in its scope), checked:
+    it must say it is that volume's head of that generation and number."""
+    what = f"head {name} of volume {volume}"
+    doc = _head_doc(name, raw, HEAD_VERSION)
+    if doc.get("volume") != volume:
+        raise BadObject(f"{what}: names volume {str(doc.get('volume'))[:80]!r}")
+    gen, seq = _int(doc, "gen", 0, _U64, what), _int(doc, "seq", 0, _U64, what)
+    if (gen, seq) != key:
+        raise BadObject(f"{what}: says it is head {gen}-{seq}")
+    try:
+        fs_uuid = bytes.fromhex(doc.get("fs_uuid"))
+    except (TypeError, ValueError):
+        raise BadObject(f"{what}: 'fs_uuid' is not hex") from None
+    return _head(doc, what, fs_uuid, seq, volume, gen)
 
 
 # -------------------------------------------------- manifests (before heads)

@@ -49,18 +49,26 @@ from . import index as ix
 from . import snapshot_format as sf
 from .backing.base import Backend
 from .errors import BlobMissing, CkptfsError, FormatError, StoreAhead
-from .index import CHUNK_PACK, ROOT_INO, Chunk, Index, Inode
+from .index import ROOT_INO, Chunk, Index, Inode
+from .volumes import HeadKey, Volume, head_name
+
+NO_HEAD: HeadKey = (0, 0)          # an object found in the store that no head marked yet
 
 log = logging.getLogger(__name__)
 
 KEEP_HEADS = 3          # the newest heads kept (with every object they reach)
+# ... and every head that stopped being the newest less than this long ago, so
+# that a restore elsewhere (recover, a takeover) reading it while this node
+# publishes on finds its objects and packs (docs/STORE.md, "Collection").
+RETENTION_S = 600.0
 WRITE_THREADS = 8       # objects written at once: their fsyncs overlap
 WRITES_IN_FLIGHT = 64   # objects (bytes) held while waiting for a writer
 
 
 def packed_chunk_id(chunk: Chunk) -> Optional[bytes]:
-    """The chunk's id if its bytes are in the store (a pack), else None."""
-    return chunk.chunk_id if chunk.kind == CHUNK_PACK and chunk.chunk_id else None
+    """The chunk's id if its bytes are in the store (cold in a pack, or a hot
+    chunk's published copy), else None."""
+    return chunk.chunk_id if chunk.in_store and chunk.chunk_id else None
 
 
 @dataclass
@@ -68,6 +76,7 @@ class Published:
     """What one publish did (for logs, stats and gc's report)."""
 
     seq: int
+    key: HeadKey = (0, 0)                # (lease generation, seq): its place among heads
     root: bytes = b""
     entries: int = 0
     files: int = 0
@@ -78,6 +87,7 @@ class Published:
     seconds: float = 0.0
     packs_named: set[int] = field(default_factory=set)   # in the state it describes
     packs_deleted: int = 0
+    deleted_packs: list[str] = field(default_factory=list)      # their names
     heads_deleted: int = 0
     objects_deleted: int = 0
     manifests_deleted: int = 0
@@ -131,36 +141,45 @@ class _DirWalk:
 
 
 class Publisher:
-    """Snapshots of one filesystem's index, published to its backing store."""
+    """Snapshots of one filesystem's index, published to its volume in the store."""
 
-    def __init__(self, index: Index, backend: Backend, fs_uuid: bytes,
+    def __init__(self, index: Index, backend: Backend, volume: Volume,
                  in_store: Callable[[Chunk], Optional[bytes]] = packed_chunk_id,
                  limiter: Optional[trio.CapacityLimiter] = None) -> None:
         self.index = index
-        self.backend = backend
-        self.fs_uuid = fs_uuid
+        self.backend = backend                  # the store: packs
+        self.volume = volume
+        self.scope = volume.scope               # the volume's part: heads, objects
         self.in_store = in_store
         self.limiter = limiter
-        # Object id -> the newest head (by seq) known to reach it; 0 for objects
-        # found in the store and not marked yet. None until the store was listed.
-        self.objects: Optional[dict[bytes, int]] = None
-        self._marked_heads: set[int] = set()
+        # Object id -> the newest head (gen, seq) known to reach it; (0, 0) for
+        # objects found in the store and not marked yet. None until listed.
+        self.objects: Optional[dict[bytes, HeadKey]] = None
+        self._marked_heads: set[HeadKey] = set()
+        self._head_times: dict[HeadKey, int] = {}
         self._files: dict[int, _CachedFile] = {}
         self._walks = 0
         self._pool: Optional[ThreadPoolExecutor] = None
         self._writes: deque[Future] = deque()
         self._state_seq = -1
+        self._legacy_gone = False
         # Packs whose last chunk went: deleted once a head no longer needs them.
         self.pending_pack_deletes: list[str] = []
         self.last: Optional[Published] = None
         self.last_time = 0.0
         self.last_error: Optional[str] = None
+        self.published_seq = -1        # the durable index state (seq) the last head describes
+        # Told the state (index seq) of every head published (publish.py's lag).
+        self.on_published: list[Callable[[int], None]] = []
+        self.lock = trio.Lock()        # callers serialise publishes and gc with it
 
     # ------------------------------------------------------------ trio side
 
-    async def publish(self, force: bool = False) -> Optional[Published]:
+    async def publish(self, force: bool = False, retention_s: float = RETENTION_S
+                      ) -> Optional[Published]:
         """Publish a snapshot of the durable state; None if nothing changed since
-        the last one (and force is not set). The caller serialises publishes."""
+        the last one (and force is not set). The caller serialises publishes.
+        Fenced when another node took the volume over."""
         if not force and self.index.durable_seq == self._state_seq \
                 and not self.pending_pack_deletes:
             return None
@@ -170,22 +189,26 @@ class Publisher:
                                       limiter=self.limiter)
         seq = self.index.reserve_id(b"next_head")
         await self.index.wait_durable(self.index.current_seq())
-        self._state_seq = self.index.durable_seq
+        state_seq = self._state_seq = self.index.durable_seq
         deletes, self.pending_pack_deletes = self.pending_pack_deletes, []
         try:
             result = await trio.to_thread.run_sync(self.publish_blocking, seq, deletes,
-                                                   limiter=self.limiter)
+                                                   retention_s, limiter=self.limiter)
         except BaseException as e:
             self.pending_pack_deletes[:0] = deletes
             self._state_seq = -1
             self.last_error = str(e)
             raise
         self.last_error = None
+        self.published_seq = state_seq
+        for fn in self.on_published:
+            fn(state_seq)
         return result
 
     # ---------------------------------------------------------- worker side
 
-    def publish_blocking(self, seq: int, pack_deletes: list[str] = ()) -> Published:
+    def publish_blocking(self, seq: int, pack_deletes: list[str] = (),
+                         retention_s: float = RETENTION_S) -> Published:
         """Write snapshot `seq` (reserved durably by the caller), then delete what
         it made unnecessary. May block."""
         started = time.monotonic()
@@ -193,11 +216,12 @@ class Publisher:
         if self.objects is None:
             self._marked_heads.clear()     # kept heads are marked again from the store
             self.objects = {}
-            for name in self.backend.list(sf.OBJECT_PREFIX):
+            for name in self.scope.list(sf.OBJECT_PREFIX):
                 oid = sf.object_id_from_name(name)
                 if oid is not None:
-                    self.objects[oid] = 0
-        result = Published(seq)
+                    self.objects[oid] = NO_HEAD
+        key = (self.volume.gen, seq)
+        result = Published(seq, key=key)
         with self.index.read_view() as view, ThreadPoolExecutor(
                 WRITE_THREADS, thread_name_prefix="ckptfs snapshot") as pool:
             self._pool, self._writes = pool, deque()
@@ -213,32 +237,40 @@ class Publisher:
                 raise
             finally:
                 self._pool = None
-        head = sf.Head(self.fs_uuid, seq, time.time_ns(), result.root, result.entries,
-                       result.files, result.incomplete_files)
-        with self.backend.writer(sf.head_name(self.fs_uuid, seq)) as w:
-            w.write(sf.encode_head(head))
-            w.commit()
-        self._marked_heads.add(seq)
+        now_ns = time.time_ns()
+        head = sf.Head(self.volume.fs_uuid, seq, now_ns, result.root, result.entries,
+                       result.files, result.incomplete_files, self.volume.name,
+                       self.volume.gen)
+        self.volume.fence()                # never a head once another node holds the volume
+        if not self.scope.create_once(self.volume.head_name(seq), sf.encode_head(head)):
+            raise CkptfsError(f"{self.scope.url}: snapshot head {key} exists already (two "
+                              "filesystems holding one generation of the volume?)")
+        self._marked_heads.add(key)
+        self._head_times[key] = now_ns
         result.seconds = time.monotonic() - started
         self.last, self.last_time = result, time.time()
         log.debug("published snapshot %d: %d entries, %d objects written (%d bytes) in %.2f s",
                   seq, result.entries, result.objects_written, result.bytes_written,
                   result.seconds)
-        # The head is durable: what only older states needed can go now.
+        # The head is durable: what only older states needed can go (packs
+        # whose chunks died before it), never once another node holds the volume.
+        self.volume.fence()
         for name in pack_deletes:
             self.backend.delete(name)
             result.packs_deleted += 1
-        self._collect(result)
+            result.deleted_packs.append(name)
+        self._collect(result, key, retention_s)
         return result
 
     def _check_newest(self, seq: int) -> None:
-        """StoreAhead unless `seq` is above every head of this filesystem in the
-        store. A head numbered below one there would not be the newest (recover
-        takes the other), and the packs it lets go the newer head may name.
-        May block."""
-        newest = max((s for s in map(sf.head_seq_from_name,
-                                     self.backend.list(sf.heads_prefix(self.fs_uuid)))
-                      if s is not None), default=None)
+        """StoreAhead unless `seq` is above every valid head of the volume in the
+        store (heads the fencing rule invalidates, an old holder's after a
+        takeover, do not count). A head numbered below one there would not be
+        the newest (recover takes the other), and the packs it lets go the
+        newer head may name. May block."""
+        self.volume.fence()             # a newer holder is not "a newer index": Fenced
+        state = self.volume.state()
+        newest = max((h[1] for h in state.valid_heads()), default=None)
         if newest is not None and newest >= seq:
             raise StoreAhead(f"{self.backend.url} holds snapshot {newest} of this filesystem "
                              f"and this index would publish {seq}: the index is older than "
@@ -257,11 +289,11 @@ class Publisher:
             self._writes.append(self._pool.submit(self._write_object, oid, data))
             result.objects_written += 1
             result.bytes_written += len(data)
-        self.objects[oid] = result.seq
+        self.objects[oid] = result.key
         return oid
 
     def _write_object(self, oid: bytes, data: bytes) -> None:
-        with self.backend.writer(sf.object_name(oid)) as w:
+        with self.scope.writer(sf.object_name(oid)) as w:
             w.write(data)
             w.commit()
 
@@ -338,7 +370,7 @@ class Publisher:
                 and cached.store_state in (b"", self._store_state(view)) \
                 and cached.obj in self.objects and all(p in self.objects for p in cached.pages):
             for oid in (cached.obj, *cached.pages):
-                self.objects[oid] = result.seq
+                self.objects[oid] = result.key
             cached.walk = self._walks
             return cached.obj, not cached.store_state
         pager = _Pager(lambda d: self._put(d, result), sf.PAGE_EXTENTS, sf.encode_extent_page)
@@ -374,55 +406,91 @@ class Publisher:
 
     # ------------------------------------------------------------ collection
 
-    def _collect(self, result: Published) -> None:
-        """Delete heads older than the newest KEEP_HEADS, objects no kept head
-        reaches, and the manifests a head supersedes. May block."""
-        seqs = sorted(s for s in (sf.head_seq_from_name(n) for n in
-                                  self.backend.list(sf.heads_prefix(self.fs_uuid)))
-                      if s is not None)
-        keep = seqs[-KEEP_HEADS:]
-        for s in seqs[:-KEEP_HEADS]:
-            self.backend.delete(sf.head_name(self.fs_uuid, s))
-            result.heads_deleted += 1
+    def _collect(self, result: Published, newest: HeadKey, retention_s: float
+                 ) -> Optional[HeadKey]:
+        """Delete heads no longer kept, the objects no kept head reaches, and
+        what volumes replaced (heads, objects and manifests of this filesystem
+        at the store's root). Returns the oldest kept head. May block.
+
+        Kept: the newest KEEP_HEADS valid heads, and every head that stopped
+        being the newest less than `retention_s` ago. Heads the fencing rule
+        invalidates (an old holder's, published after a takeover) go."""
+        state = self.volume.state()
+        heads = [h for h in state.heads if h <= newest]
+        valid = [h for h in heads if state.valid(h)]
+        keep = set(valid[-KEEP_HEADS:])
+        now = time.time_ns()
+        for older, newer in zip(valid, valid[1:]):
+            if older not in keep and now - self._head_time(newer) < retention_s * 1e9:
+                keep.add(older)
+        for h in heads:
+            if h not in keep:
+                self.scope.delete(head_name(*h))
+                self._head_times.pop(h, None)
+                result.heads_deleted += 1
         if not keep:
-            return
-        oldest = keep[0]
-        for s in keep:
-            if s not in self._marked_heads:
-                self._mark_from_store(s, oldest)
-        garbage = [oid for oid, s in self.objects.items() if s < oldest]
+            return None
+        oldest = min(keep)
+        for h in sorted(keep, reverse=True):
+            if h not in self._marked_heads:
+                self._mark_from_store(h, oldest)
+        garbage = [oid for oid, h in self.objects.items() if h < oldest]
         for oid in garbage:
-            self.backend.delete(sf.object_name(oid))
+            self.scope.delete(sf.object_name(oid))
             del self.objects[oid]
         result.objects_deleted = len(garbage)
-        for name in self.backend.list(sf.manifests_prefix(self.fs_uuid)):
-            self.backend.delete(name)
-            result.manifests_deleted += 1
+        if not self._legacy_gone:
+            # Before volumes this filesystem owned the store's root: its heads,
+            # objects and manifests there are superseded by the volume's head.
+            fs_uuid = self.volume.fs_uuid
+            for name in (self.backend.list(sf.heads_prefix(fs_uuid))
+                         + self.backend.list(sf.manifests_prefix(fs_uuid))):
+                self.backend.delete(name)
+                result.manifests_deleted += name.startswith(sf.MANIFEST_DIR)
+                result.heads_deleted += not name.startswith(sf.MANIFEST_DIR)
+            if not self.backend.list(sf.HEAD_PREFIX):
+                for name in self.backend.list(sf.OBJECT_PREFIX):
+                    self.backend.delete(name)
+                    result.objects_deleted += 1
+            self._legacy_gone = True
+        return oldest
 
-    def _mark_from_store(self, seq: int, oldest: int) -> None:
+    def _head_time(self, key: HeadKey) -> int:
+        """When a head was written (from its document; 0 if unreadable)."""
+        if key not in self._head_times:
+            name = head_name(*key)
+            try:
+                head = sf.decode_volume_head(name, self.volume.name, key, self.scope.read(
+                    name, 0, min(self.scope.size(name), sf.MAX_HEAD_BYTES + 1)))
+                self._head_times[key] = head.time_ns
+            except (BlobMissing, sf.BadObject):
+                self._head_times[key] = 0
+        return self._head_times[key]
+
+    def _mark_from_store(self, key: HeadKey, oldest: HeadKey) -> None:
         """Mark every object a head written before this mount reaches. Objects
         already kept by a newer head are skipped with all they reach (a walk
         marks everything below what it marks). A damaged or missing object is
         left out; any other error (the store away) gives up this collection."""
-        name = sf.head_name(self.fs_uuid, seq)
+        name = head_name(*key)
         try:
-            head = sf.decode_head(name, self.fs_uuid, self.backend.read(
-                name, 0, min(self.backend.size(name), sf.MAX_HEAD_BYTES + 1)))
+            head = sf.decode_volume_head(name, self.volume.name, key, self.scope.read(
+                name, 0, min(self.scope.size(name), sf.MAX_HEAD_BYTES + 1)))
         except (BlobMissing, sf.BadObject) as e:
             log.warning("snapshot head %s is unreadable (%s): not kept", name, e)
-            self._marked_heads.add(seq)
+            self._marked_heads.add(key)
             return
         todo: list[tuple[bytes, str]] = [(head.root, "dir")]
         while todo:
             oid, kind = todo.pop()
-            if self.objects.get(oid, -1) >= oldest:
+            if self.objects.get(oid, NO_HEAD) >= oldest:
                 continue
-            self.objects[oid] = max(self.objects.get(oid, 0), seq)
+            self.objects[oid] = max(self.objects.get(oid, NO_HEAD), key)
             if kind == "extpage":
                 continue
             try:
-                raw = self.backend.read(sf.object_name(oid), 0, min(
-                    self.backend.size(sf.object_name(oid)), sf.MAX_OBJECT_BYTES + 1))
+                raw = self.scope.read(sf.object_name(oid), 0, min(
+                    self.scope.size(sf.object_name(oid)), sf.MAX_OBJECT_BYTES + 1))
                 if kind == "file":
                     todo.extend((p, "extpage") for p in sf.decode_file(oid, raw).pages)
                     continue
@@ -437,13 +505,21 @@ class Publisher:
             for e in entries:
                 if isinstance(e, sf.Entry) and e.kind in ("d", "f"):
                     todo.append((e.obj, "dir" if e.kind == "d" else "file"))
-        self._marked_heads.add(seq)
+        self._marked_heads.add(key)
 
 
-def publish_offline(index: Index, backend: Backend, fs_uuid: bytes) -> Published:
+def publish_offline(index: Index, backend: Backend, volume: Optional[Volume] = None
+                    ) -> Published:
     """Publish a snapshot from an unmounted filesystem's index (fsck --repair,
-    before it deletes packs an older head may name). May block."""
-    publisher = Publisher(index, backend, fs_uuid)
+    before it deletes packs an older head may name), to its volume (the one
+    its index names when not given). May block."""
+    if volume is None:
+        record = ix.get_volume(index)
+        if record is None or record.takeover:
+            raise CkptfsError("the filesystem holds no volume of the store yet (mount it "
+                              "once)")
+        volume = Volume(backend, record.name, record.gen, index.check_format())
+    publisher = Publisher(index, backend, volume)
     publisher._check_newest(index.counters[b"next_head"])      # before reserving it
     seq = [0]
 

@@ -6,8 +6,13 @@ here from the `TierSetup` the filesystem was made with) and says when:
 - the mover (`mover.Mover`) packs them into the store and flips their records;
 - the collector (`collector.Collector`) publishes snapshots and deletes what
   they let go (dead packs, leftovers of interrupted passes, old snapshots);
+- publishing (`publish.PublishLoop`, with a volume) copies what commits add
+  into packs (through the mover) and publishes within `publish_delay`;
 - the prefetcher (`coldstore.Prefetcher`) runs in its nursery; reading cold
   chunks back is the cold store's (`coldstore.ColdStore`).
+
+Fenced (another node took the volume over: `fence`): no pass runs, nothing
+is written to or deleted from the store, for the rest of the mount.
 
 When: a pass every `interval_s` once something was committed since the last
 plan (sooner when woken), followed by garbage collection and a snapshot;
@@ -34,10 +39,11 @@ from . import packs
 from .coldstore import ColdStore, Prefetcher
 from .collector import Collector
 from .debugpause import pause, pausing_at
-from .errors import CkptfsError, NoSpace
+from .errors import CkptfsError, Fenced, NoSpace
 from .index import Chunk, Index
 from .mover import Mover, StoreAheadFence
 from .pmemlog import PmemLog
+from .publish import PublishLoop
 from .reclaim import Reclaimer
 from .snapshots import Publisher
 from .tierplan import Planner, TierPolicy, TierSetup
@@ -73,9 +79,19 @@ class Tierer:
         fence = StoreAheadFence()
         self.planner = Planner(index, plog, setup.policy)
         self.mover = Mover(index, plog, reclaimer, setup.backend, fence)
-        self.publisher = Publisher(index, setup.backend, setup.fs_uuid, limiter=self.limiter)
+        # Snapshots go to the filesystem's volume; a read-only mount of one
+        # that has none publishes nothing.
+        self.publisher = None if setup.volume is None else \
+            Publisher(index, setup.backend, setup.volume, limiter=self.limiter)
         self.collector = Collector(index, reclaimer, setup.backend, self.publisher, self.mover,
                                    fence, self.limiter)
+        self.fenced: Optional[str] = None
+        self.publishing: Optional[PublishLoop] = None
+        if self.publisher is not None and not setup.read_only:
+            self.publishing = PublishLoop(index, self, self.publisher, setup.publish_delay_s,
+                                          setup.policy.pack_bytes)
+        if setup.read_only:
+            self.fence("mounted read-only")     # cold reads only: nothing is moved
         self._wake = trio.Event()
         self._moved = trio.Event()        # set after every round: writers re-check room
         self._urgent = False
@@ -106,6 +122,8 @@ class Tierer:
                         await nursery.start(self.prefetcher.run)
                     self.collector.resume_dead_pack_deletes()
                     nursery.start_soon(self.collector.clean_leftovers_task)
+                    if self.publishing is not None:
+                        await nursery.start(self.publishing.run)
                     task_status.started()
                     await self._loop()
         finally:
@@ -124,6 +142,8 @@ class Tierer:
             with trio.move_on_after(self.policy.interval_s):
                 await self._wake.wait()
             self._wake = trio.Event()
+            if self.fenced is not None:
+                continue            # another node holds the volume, or mounted read-only
             self._watch_log_use()
             if time.monotonic() < self.retry_at and not self._urgent:
                 continue
@@ -175,7 +195,14 @@ class Tierer:
         self._urgent = self._urgent or urgent
         self._wake.set()
 
+    def fence(self, reason: str) -> None:
+        """Another node holds the volume (or a read-only mount): no pass runs, no
+        pack is written, nothing is published or deleted from now on."""
+        self.fenced = self.mover.fenced = self.collector.fenced = reason
+
     def _failed(self, e: BaseException) -> None:
+        if isinstance(e, Fenced) and self.publishing is not None:
+            self.publishing.fence(str(e))       # the index turns read-only too
         self._backoff_s = min(max(self._backoff_s * 2, 1.0), 60.0)
         self.retry_at = time.monotonic() + self._backoff_s
         message = f"{e}"
@@ -197,6 +224,8 @@ class Tierer:
         """
         if self._busy.locked() and not wait:
             return 0
+        if self.fenced is not None:
+            raise Fenced(self.fenced)
         async with self._busy:
             self.state = "moving"
             try:
@@ -214,10 +243,14 @@ class Tierer:
         self._planned_seq = self.index.durable_seq
         chunks = self.planner.plan(set(self.open_inos()), self.reclaimer.pinned,
                                    everything).chunks
+        if progress is not None:
+            progress.total_bytes += sum(c.length for c in chunks)
+        # Published chunks have their copy in a pack already: only the log copy goes.
+        moved = self.mover.drop_log_copies([c for c in chunks if c.copied])
+        chunks = [c for c in chunks if not c.copied]
         self.backlog_bytes = sum(c.length for c in chunks)
         if progress is not None:
-            progress.total_bytes += self.backlog_bytes
-        moved = 0
+            progress.done_bytes += moved
         done = 0
         while done < len(chunks):
             batch = self._next_batch(chunks, done)
@@ -260,6 +293,14 @@ class Tierer:
     async def publish_at_unmount(self) -> None:
         """The last snapshot, after the final commits (the mover is stopped)."""
         await self.collector.publish_at_unmount()
+
+    async def publish(self) -> None:
+        """A snapshot now, unless nothing changed (publishing's rounds)."""
+        await self.collector.publish()
+
+    async def copy_batch(self, batch: list[Chunk]) -> tuple[int, int]:
+        """Publishing's copies (`Mover.copy_batch`); the caller holds the publish lock."""
+        return await self.mover.copy_batch(batch)
 
     async def gc(self) -> dict[str, int]:
         """`ckptfs gc` (`Collector.gc`), with no pass running meanwhile."""
@@ -321,7 +362,9 @@ class Tierer:
             "cold_cache_hits": 0 if self.cold is None else self.cold.hits,
             "cold_fetches": 0 if self.cold is None else self.cold.fetches,
             "backing": self.backend.url,
-            "snapshot_seq": None if self.publisher.last is None else self.publisher.last.seq,
-            "snapshot_age_s": None if self.publisher.last is None
+            "snapshot_seq": None if self.publisher is None or self.publisher.last is None
+            else self.publisher.last.seq,
+            "snapshot_age_s": None if self.publisher is None or self.publisher.last is None
             else round(time.time() - self.publisher.last_time, 1),
+            **(self.publishing.stats() if self.publishing is not None else {}),
         }

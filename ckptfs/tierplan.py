@@ -21,13 +21,16 @@ from __future__ import annotations
 import logging
 import stat
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from . import index as ix
 from .backing.base import Backend
 from .errors import CkptfsError, DamagedData, FormatError
 from .index import CHUNK_LOG, Chunk, Index, Inode
 from .pmemlog import PmemLog
+
+if TYPE_CHECKING:
+    from .volumes import Volume
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +50,16 @@ class TierPolicy:
 @dataclass
 class TierSetup:
     """What a mount with a backing store tiers to, and how: given to
-    `core.Filesystem`, which builds the cold store, prefetcher and mover."""
+    `core.Filesystem`, which builds the cold store, prefetcher and mover.
+    `volume`: where its snapshots go (None: a read-only mount of a filesystem
+    without one: nothing is published); `publish_delay_s`: publishing's bound
+    (None: off, snapshots only after passes); `read_only`: move nothing."""
 
     backend: Backend
     policy: TierPolicy
-    fs_uuid: bytes
+    volume: Optional["Volume"] = None
+    publish_delay_s: Optional[float] = None
+    read_only: bool = False
 
 
 @dataclass

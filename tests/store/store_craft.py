@@ -1,7 +1,8 @@
 """Crafting backing-store contents for recover tests: read a real snapshot the
 daemon published, change one object (keeping every hash right, so the change
 reaches recover's validation rather than its hash check), write legacy
-manifests. Works on the store directory of an unmounted filesystem.
+manifests. Works on the store directory of an unmounted filesystem, on its
+one volume (`volumes/<name>/`), or the one named.
 """
 
 from __future__ import annotations
@@ -15,14 +16,20 @@ from ckptfs import snapshot_format as sf
 
 
 class Store:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, volume: Optional[str] = None) -> None:
         self.root = root
         marker = json.loads((root / "ckptfs-store").read_text())
         self.fs_uuid = bytes.fromhex(marker["uuid"].replace("-", ""))
+        if volume is None:
+            names = sorted(p.name for p in (root / "volumes").iterdir())
+            assert len(names) == 1, f"the store holds volumes {names}: name one"
+            volume = names[0]
+        self.volume = volume
+        self.vroot = root / "volumes" / volume
 
     # ------------------------------------------------------------ heads
     def head_paths(self) -> list[Path]:
-        d = self.root / "heads" / self.fs_uuid.hex()
+        d = self.vroot / "heads"
         return sorted(d.iterdir()) if d.exists() else []
 
     def newest_head(self) -> tuple[Path, dict]:
@@ -34,14 +41,14 @@ class Store:
         doc = {k: v for k, v in doc.items() if k != "check"}
         head = sf.Head(bytes.fromhex(doc["fs_uuid"]), doc["seq"], doc["time_ns"],
                        bytes.fromhex(doc["root"]), doc["entries"], doc["files"],
-                       doc["incomplete_files"])
-        path = path or self.root / "heads" / self.fs_uuid.hex() / f"{doc['seq']:016x}"
+                       doc["incomplete_files"], doc["volume"], doc["gen"])
+        path = path or self.vroot / "heads" / f"{doc['gen']:016x}-{doc['seq']:016x}"
         path.write_bytes(sf.encode_head(head))
         return path
 
     # ---------------------------------------------------------- objects
     def obj_path(self, oid_hex: str) -> Path:
-        return self.root / "objects" / oid_hex[:2] / oid_hex
+        return self.vroot / "objects" / oid_hex[:2] / oid_hex
 
     def read(self, oid_hex: str) -> dict:
         return json.loads(self.obj_path(oid_hex).read_bytes())
@@ -92,8 +99,8 @@ class Store:
 
     # -------------------------------------------------------- manifests
     def to_legacy(self) -> None:
-        """Turn this store into one written before snapshots: heads and objects
-        go, a format-1 manifest per file of the newest snapshot comes."""
+        """Turn this store into one written before snapshots: volumes, heads and
+        objects go, a format-1 manifest per file of the newest snapshot comes."""
         _, head = self.newest_head()
         out = self.root / "manifests" / self.fs_uuid.hex()
         out.mkdir(parents=True, exist_ok=True)
@@ -106,7 +113,7 @@ class Store:
                     todo.append((path + "/", e["d"]))
                 elif "f" in e:
                     self.write_manifest(e["i"], [path], self.read(e["f"]))
-        for d in ("heads", "objects"):
+        for d in ("volumes", "leases"):
             for root, _, files in os.walk(self.root / d):
                 for f in files:
                     os.unlink(os.path.join(root, f))

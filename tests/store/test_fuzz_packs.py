@@ -442,7 +442,8 @@ def test_recover_names_what_damaged_packs_cost_and_nothing_more(make_mount, tmp_
     assert pack_number(victim) == max(map(pack_number, pack_of.values()))
     shutil.copytree(state / "store", tmp_path / "store.pristine")
     pristine = (state / "store" / victim).read_bytes()
-    liar_name = pack_name(0x100)               # packs/00/...: listed before c1.bin's pack
+    # packs/00/...: listed before c1.bin's pack, in the volume's own pack space
+    liar_name = pack_name(pack_number(pack_of["c1.bin"]) >> 32 << 32 | 0x100)
     assert liar_name < pack_of["c1.bin"]
     damaged = [_damage(rng, pristine, kind) + (victim,) for kind in DAMAGE_KINDS]
     damaged.append(("a pack listing c1.bin's chunk ids over other bytes",

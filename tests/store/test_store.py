@@ -378,7 +378,7 @@ def test_large_directories_and_files_go_on_pages(make_mount, fsck_clean, monkeyp
     try:
         fs_uuid = index.check_format()
         with LocalBackend.open(m.source / ".ckptfs" / "store") as backend:
-            done = publish_offline(index, backend, fs_uuid)
+            done = publish_offline(index, backend)
     finally:
         index.close()
     assert done.entries == 42 and done.incomplete_files == 0
@@ -409,7 +409,7 @@ def test_unchanged_objects_are_not_written_again(make_mount, tmp_path):
     write_file(m.path / "a" / "x.bin", floats(MiB, 1))
     write_file(m.path / "b" / "y.bin", floats(MiB, 2))
     tier_all(m)
-    objects = tmp_path / "store" / "objects"
+    objects = Store(tmp_path / "store").vroot / "objects"
 
     def listing() -> dict[str, tuple[int, int]]:
         return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns)
@@ -435,6 +435,7 @@ def test_fsck_repair_publishes_a_snapshot_before_deleting_unnamed_packs(tiered, 
     (its last chunk went, no snapshot since): fsck --repair publishes one of
     the repaired index first, so recover keeps working afterwards."""
     assert recover(tiered).returncode == 0
+    reopen(inproc, tiered).shutdown()   # takes the volume over: only its holder publishes
     packs = sorted((tiered.source / ".ckptfs" / "store" / "packs").rglob("*.pack"))
     stray = packs[0].with_name("00000000deadbeef.pack")
     shutil.copy(packs[0], stray)
@@ -474,7 +475,7 @@ def test_index_damage_is_published_as_such_and_named_by_recover(make_mount, fsck
             txn._put("dirlist", ix.dirlist_key(ix.ROOT_INO, cookie), b"ghost")
         index.write_direct(dangle)
         with LocalBackend.open(m.source / ".ckptfs" / "store") as backend:
-            done = publish_offline(index, backend, index.check_format())
+            done = publish_offline(index, backend)
     finally:
         index.close()
     assert done.skipped == 1

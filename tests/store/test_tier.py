@@ -77,7 +77,7 @@ def test_cold_versions_move_out_and_read_back(make_mount, fsck_clean):
     m.remount()                       # empty read cache: every cold byte from the packs
     verify(m.path, files)
     m.umount()                        # the store is below the mount (SOURCE/.ckptfs/store)
-    heads = list((m.source / ".ckptfs" / "store" / "heads").rglob("*"))
+    heads = list((m.source / ".ckptfs" / "store" / "volumes").glob("*/heads/*"))
     assert any(h.is_file() for h in heads), "a snapshot of the namespace was published"
     check_clean(fsck_clean, m)
 
@@ -339,12 +339,15 @@ def test_fsck_tells_an_interrupted_pass_from_damage(make_mount, tmp_path, monkey
     res = m.fsck()
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"note: {leftover} was left by an interrupted tiering pass" in res.stdout
+    from ckptfs.packs import pack_name, pack_number
     store = m.source / ".ckptfs" / "store"
-    stray = store / "packs" / "ef" / "00000000deadbeef.pack"
+    # In the volume's own pack space (another space's packs are other volumes').
+    stray_name = pack_name((pack_number(leftover) >> 32 << 32) | 0xdeadbeef)
+    stray = store / stray_name
     stray.parent.mkdir(exist_ok=True)
     shutil.copy(store / leftover, stray)                 # neither named nor intended
     res = m.fsck()
-    assert res.returncode == 4 and "00000000deadbeef.pack is named by nothing" in res.stdout
+    assert res.returncode == 4 and f"{stray_name} is named by nothing" in res.stdout
     stray.unlink()
     m.start()
     wait_until(lambda: m.stat()["tier_leftover_packs"] == 0, 60, "leftover never removed")
@@ -541,7 +544,7 @@ def test_gc_deletes_dead_packs_and_old_snapshots(make_mount, tmp_path, fsck_clea
     assert "published snapshot" in res.stdout and "older snapshot heads" in res.stdout
     assert not stray.exists()
     assert not first_pack[0].exists()
-    heads = [p for p in (store / "heads").rglob("*") if p.is_file()]
+    heads = [p for p in (store / "volumes").glob("*/heads/*") if p.is_file()]
     assert len(heads) == 3
     m.remount()
     verify(m.path, second)
@@ -585,7 +588,7 @@ def test_saves_into_one_directory_are_separate_versions(make_mount):
     state = dmod.open_state(parse_options(str(m.source), str(m.path), ["tiering=off"]))
     try:
         fs = Filesystem(state.index, state.log, state.sources, CommitPolicy(),
-                        tiering=TierSetup(state.backend, TierPolicy(), state.fs_uuid))
+                        tiering=TierSetup(state.backend, TierPolicy()))
         versions, _ = fs.tierer.planner.versions()
         assert sorted(len(v.files) for v in versions) == [1, 1, 1, 1], versions
     finally:

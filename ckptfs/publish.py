@@ -1,0 +1,334 @@
+"""Publishing: every committed version copied to the store within publish_delay.
+
+A node's log is lost with the node. So that the newest checkpoint survives
+it, every chunk a commit adds to the log is *copied* (not moved) to a pack
+in the backing store within `publish_delay` seconds of the commit, and then
+a snapshot head naming it is published (docs/STORE.md, "Publishing"). The
+chunk stays hot: restarts on this node read it from the log at log speed;
+tiering it later only drops its log copy (`ix.drop_log_copy`).
+
+`PublishLoop` does it in rounds, on the trio thread except for the byte
+work:
+
+1. the index lists every LOG chunk without a copy (`unpublished`, kept in
+   the same transactions as the chunks);
+2. `Tierer.copy_batch`, the mover's own pack writing (a pack intent durable
+   first, then on its worker thread: read from the log, verified, compress,
+   write the pack: temp name, fsync, rename), a pack number from this
+   volume's space;
+3. trio thread: every chunk still where it was read gets its copy
+   (`ix.copy_to_pack`) in the open index batch; that batch made durable;
+4. a snapshot of the durable state (`snapshots.Publisher`, under its lock):
+   it now names those chunks as in the store; the head goes last, and only
+   while this node holds the volume (`volumes.Volume.fence`).
+
+Writers never wait for any of it: the loop reads committed chunks only, and
+their log bytes stay where they are (a read epoch keeps a chunk deleted
+meanwhile from having its space reused under the copy). A store that fails
+(down, full, throttling) makes the loop retry with backoff; the lag grows
+and shows (`ckptfs stat`: publish_lag_s, publish_backlog_bytes,
+publish_last_error) and everything is caught up once the store answers.
+
+Lag: the age of the oldest durable change (any index batch) that no
+published head describes yet (`Lag`). `ckptfs sync --published` waits until
+a head describes every change durable when it was asked (`wait_published`).
+
+Fenced (another node took the volume over): the loop stops for good, and
+the index turns read-only with the reason (`Index.fence`). The loop also
+looks for that every FENCE_POLL_S while idle, so a node that comes back
+after a takeover learns it before its next save.
+
+Which functions may block: none here; the byte work runs on worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import trio
+
+from . import index as ix
+from . import packs
+from .errors import CkptfsError, Fenced, OperationFailed
+from .index import CHUNK_LOG, Chunk, Index
+from .snapshots import Publisher
+
+if TYPE_CHECKING:
+    from .tier import Tierer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DELAY_S = 5.0           # publish_delay when a store is given explicitly
+FENCE_POLL_S = 30.0             # an idle loop checks its lease this often
+COALESCE_S = 1.0                # lag entries closer than this are one (bounded memory)
+BACKOFF_MAX_S = 60.0
+SCAN_CHUNKS = 65536             # unpublished chunks looked at per scan
+
+
+class Lag:
+    """When the oldest durable change that no published head describes was made.
+
+    Fed every durable batch (seq, when its first change arrived: monotonic)
+    and every published state (the seq a head describes). Batches closer
+    than COALESCE_S are kept as one entry (the oldest time wins, so the lag
+    is never under-reported), so an outage of hours costs a few thousand
+    entries."""
+
+    def __init__(self) -> None:
+        self._entries: deque[tuple[int, float]] = deque()     # (first seq, opened at)
+        self._last_seq = 0
+
+    def durable(self, seq: int, opened_at: float) -> None:
+        self._last_seq = max(self._last_seq, seq)
+        if self._entries and opened_at - self._entries[-1][1] < COALESCE_S:
+            return
+        self._entries.append((seq, opened_at))
+
+    def seed(self, since: float) -> None:
+        """Changes of unknown age are waiting (a mount): count from `since`."""
+        self._entries.appendleft((0, since))
+
+    def published(self, state_seq: int) -> None:
+        while self._entries and self._entries[0][0] <= state_seq:
+            _, opened_at = self._entries.popleft()
+            nxt = self._entries[0][0] if self._entries else self._last_seq + 1
+            if nxt > state_seq + 1 and self._last_seq > state_seq:
+                # Batches after the published state were folded into this entry.
+                self._entries.appendleft((state_seq + 1, opened_at))
+                return
+
+    def age_s(self, now: Optional[float] = None) -> float:
+        if not self._entries:
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - self._entries[0][1])
+
+
+@dataclass
+class PublishStats:
+    copied_bytes: int = 0
+    packs_written: int = 0
+    rounds: int = 0
+
+
+class PublishLoop:
+    """Copies what commits add to the log into the store and publishes heads
+    (module docstring). `delay_s` None: publishing is off (snapshots are
+    still published after tiering passes)."""
+
+    def __init__(self, index: Index, tierer: "Tierer", publisher: Publisher,
+                 delay_s: Optional[float], pack_bytes: int = 64 << 20) -> None:
+        """tierer: whose mover writes the copies and whose collector publishes."""
+        self.index = index
+        self.tierer = tierer
+        self.publisher = publisher
+        self.delay_s = delay_s
+        self.pack_bytes = pack_bytes
+        self.gather_s = 0.0 if delay_s is None else min(1.0, delay_s / 4)
+        self.lag = Lag()
+        self.stats_ = PublishStats()
+        self.state = "off" if delay_s is None else "idle"
+        self.last_error: Optional[str] = None
+        self.fenced: Optional[str] = None
+        self._wake = trio.Event()
+        self._urgent = False
+        self._changed = trio.Event()       # set after every round, good or bad
+        self._backoff_s = 0.0
+        self.retry_at = 0.0
+        self._last_fence_check = time.monotonic()
+        self._scope: Optional[trio.CancelScope] = None
+        self._stopped = trio.Event()
+        self.index.on_durable.append(self._durable)
+        publisher.on_published.append(self.lag.published)
+        if delay_s is not None:
+            # What this mount found in the index has waited since an unknown
+            # time: at least since now (the first round publishes it).
+            self.lag.seed(time.monotonic())
+
+    # ------------------------------------------------------------- the task
+
+    def _durable(self, seq: int, opened_at: float) -> None:
+        self.lag.durable(seq, opened_at)
+        self._wake.set()
+
+    def wake(self, urgent: bool = False) -> None:
+        self._urgent = self._urgent or urgent
+        self._wake.set()
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Rounds until `stop`, or until fenced."""
+        try:
+            with trio.CancelScope() as self._scope:
+                task_status.started()
+                if self.delay_s is not None:
+                    await self._loop()
+                else:
+                    await trio.sleep_forever()
+        finally:
+            self._stopped.set()
+
+    async def stop(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+            await self._stopped.wait()
+
+    def _work_waiting(self) -> bool:
+        # Every chunk to copy came with a durable batch, which the lag counts
+        # until a head describes it (chunks whose log bytes are damaged stay
+        # in the backlog, but start no rounds of their own).
+        return self.index.durable_seq > self.publisher.published_seq or self.lag.age_s() > 0
+
+    async def _loop(self) -> None:
+        while self.fenced is None:
+            if not self._work_waiting() or time.monotonic() < self.retry_at:
+                wait_s = FENCE_POLL_S if not self._work_waiting() else \
+                    max(0.0, self.retry_at - time.monotonic())
+                with trio.move_on_after(wait_s):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                if not self._work_waiting() or (time.monotonic() < self.retry_at
+                                                and not self._urgent):
+                    if time.monotonic() - self._last_fence_check >= FENCE_POLL_S:
+                        await self._check_fence()
+                    continue
+            if not self._urgent and self.gather_s:
+                await trio.sleep(self.gather_s)        # a checkpoint's files close together
+            self._urgent = False
+            self._wake = trio.Event()
+            try:
+                await self.round()
+                self._succeeded()
+            except Fenced as e:
+                self.fence(str(e))
+            except (CkptfsError, OSError) as e:
+                self._failed(e)
+            except Exception as e:  # noqa: BLE001 - a bug must not take the mount down
+                log.exception("publishing failed unexpectedly")
+                self._failed(e)
+            finally:
+                self._changed.set()
+                self._changed = trio.Event()
+
+    async def _check_fence(self) -> None:
+        self._last_fence_check = time.monotonic()
+        try:
+            await trio.to_thread.run_sync(self.publisher.volume.fence)
+        except Fenced as e:
+            self.fence(str(e))
+        except CkptfsError as e:
+            log.debug("lease check failed (the store is away?): %s", e)
+
+    # ------------------------------------------------------------- a round
+
+    async def round(self) -> None:
+        """Copy every unpublished chunk into packs, then publish a snapshot."""
+        tierer = self.tierer
+        # Nothing more goes to the store once another node holds the volume.
+        await trio.to_thread.run_sync(self.publisher.volume.fence)
+        self.state = "copying"
+        # Under the publish lock: gc (which holds it too) must never take a
+        # copy being written for a stray, nor its intent for a leftover.
+        async with self.publisher.lock:
+            after = -1
+            while True:
+                nos = ix.scan_unpublished(self.index, after, SCAN_CHUNKS)
+                if not nos:
+                    break
+                after = nos[-1]
+                chunks = []
+                for no in nos:
+                    chunk = ix.get_chunk(self.index, no)
+                    if chunk is not None and chunk.kind == CHUNK_LOG and not chunk.copied \
+                            and ix.chunk_record_problem(chunk) is None:
+                        chunks.append(chunk)
+                start = 0
+                while start < len(chunks):
+                    batch = self._next_batch(chunks, start)
+                    taken, copied = await tierer.copy_batch(batch)
+                    start += max(taken, 1)
+                    self.stats_.packs_written += 1
+                    self.stats_.copied_bytes += copied
+            await self.index.wait_durable(self.index.current_seq())
+        self.state = "publishing"
+        await tierer.publish()
+        self._last_fence_check = time.monotonic()
+
+    def _next_batch(self, chunks: list[Chunk], start: int) -> list[Chunk]:
+        """About pack_bytes of chunks for the next pack (the writer may take
+        fewer when the store has less room)."""
+        size = 0
+        end = start
+        while end < len(chunks) and size < self.pack_bytes \
+                and end - start < packs.MAX_PACK_ENTRIES:
+            size += chunks[end].length
+            end += 1
+        return chunks[start:end]
+
+    # ---------------------------------------------------------- outcomes
+
+    def _succeeded(self) -> None:
+        self.stats_.rounds += 1
+        if self.last_error is not None:
+            log.info("publishing caught up (lag %.1f s)", self.lag.age_s())
+        self.last_error = None
+        self._backoff_s = 0.0
+        self.retry_at = 0.0
+        self.state = "idle"
+
+    def _failed(self, e: BaseException) -> None:
+        cap = BACKOFF_MAX_S if self.delay_s is None else max(1.0, min(BACKOFF_MAX_S,
+                                                                      self.delay_s))
+        self._backoff_s = min(max(self._backoff_s * 2, 1.0), cap)
+        self.retry_at = time.monotonic() + self._backoff_s
+        message = str(e)
+        if message != self.last_error:
+            log.warning("publishing failed, retrying in %.0f s (lag %.1f s): %s",
+                        self._backoff_s, self.lag.age_s(), message)
+        self.last_error = message
+        self.state = "retrying"
+
+    def fence(self, reason: str) -> None:
+        if self.fenced is not None:
+            return
+        self.fenced = reason
+        self.state = "fenced"
+        self.last_error = reason
+        log.error("%s", reason)
+        self.index.fence(reason)
+        self.tierer.fence(reason)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # ------------------------------------------------------------ waiting
+
+    async def wait_published(self, seq: int) -> None:
+        """Until a published head describes the durable state `seq` (`ckptfs
+        sync --published`). Fenced, or OperationFailed with publishing off."""
+        if self.delay_s is None:
+            raise OperationFailed("publishing is off on this mount (-o publish_delay=off): "
+                                  "nothing is copied to the store until it is tiered")
+        while self.publisher.published_seq < seq:
+            if self.fenced is not None:
+                raise Fenced(self.fenced)
+            self.wake(urgent=True)
+            await self._changed.wait()
+
+    # ------------------------------------------------------------- stats
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "publish_delay_s": self.delay_s,
+            "publish_state": self.state,
+            "publish_lag_s": round(self.lag.age_s(), 3),
+            "publish_backlog_bytes": self.index.counters[b"unpublished_bytes"],
+            "published_bytes": self.stats_.copied_bytes,
+            "publish_packs_written": self.stats_.packs_written,
+            "publish_last_error": self.last_error,
+            "published_copy_bytes": self.index.counters[b"copy_pack_bytes"],
+            "volume": self.publisher.volume.name,
+            "volume_generation": self.publisher.volume.gen,
+            "volume_fenced": self.fenced is not None,
+        }
