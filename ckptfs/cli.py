@@ -176,7 +176,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                    "hold no index; nothing is left behind if it fails.")
     p.add_argument("source")
     p.add_argument("-o", dest="options", action="append", default=[],
-                   help="mount options (backing= if the store is not the default)")
+                   help="mount options: backing= if the store is not the default, "
+                        "volume=NAME to restore another node's volume (the next mount "
+                        "with it takes the volume over)")
     p.add_argument("--head", type=int, metavar="SEQ",
                    help="restore this (older) snapshot instead of the newest")
 
