@@ -17,6 +17,12 @@ this index (restored from a copy, or another filesystem writes there).
 written and no snapshot published (the collector checks it too), until
 fsck --repair or recover.
 
+Publishing (publish.py) writes its copies the same way (`copy_batch`): only
+the flip differs, giving each chunk a copy in the pack (`ix.copy_to_pack`)
+while it stays in the log. A chunk that has a copy is tiered without any
+pack written (`drop_log_copies`: it becomes a PACK chunk at its copy). Once
+the volume is fenced (another node holds it), no pack is written.
+
 A write that fails after its intent was durable leaves the pack's fate
 unknown: the collector is told (`failed_write`) and cleans up. The mover may
 not delete anything from the store, nor choose what is cold.

@@ -143,6 +143,7 @@ class PublishLoop:
         self._stopped = trio.Event()
         self.index.on_durable.append(self._durable)
         publisher.on_published.append(self.lag.published)
+        publisher.on_published.append(self._head_published)
         if delay_s is not None:
             # What this mount found in the index has waited since an unknown
             # time: at least since now (the first round publishes it).
@@ -153,6 +154,13 @@ class PublishLoop:
     def _durable(self, seq: int, opened_at: float) -> None:
         self.lag.durable(seq, opened_at)
         self._wake.set()
+
+    def _head_published(self, state_seq: int) -> None:
+        """A head was published by anyone (a round, a tiering pass, gc): with
+        nothing left to copy, a store failure is over."""
+        if self.last_error is not None and self.fenced is None \
+                and self.index.counters[b"unpublished_bytes"] == 0:
+            self._clear_error()
 
     def wake(self, urgent: bool = False) -> None:
         self._urgent = self._urgent or urgent
@@ -271,6 +279,9 @@ class PublishLoop:
 
     def _succeeded(self) -> None:
         self.stats_.rounds += 1
+        self._clear_error()
+
+    def _clear_error(self) -> None:
         if self.last_error is not None:
             log.info("publishing caught up (lag %.1f s)", self.lag.age_s())
         self.last_error = None
