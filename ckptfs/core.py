@@ -75,6 +75,7 @@ class Attrs:
     mtime_ns: int
     ctime_ns: int
     data_bytes: int     # bytes that hold data (holes excluded): st_blocks
+    cache_timeout_s: Optional[float] = None     # None: the adapter's long default (merged.py)
 
 
 class Filesystem:

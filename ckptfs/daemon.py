@@ -50,7 +50,7 @@ from . import adopt, control
 from . import index as ix
 from .core import CommitPolicy, Filesystem
 from .errors import (AlreadyExists, BackingCredentials, CkptfsError, FormatError,
-                     OperationFailed, one_line)
+                     OperationFailed, UsageError, one_line)
 from .sources import SourceFiles
 from .tierplan import TierPolicy, TierSetup
 from .fuse_ops import CkptfsOperations
@@ -419,6 +419,21 @@ def build_filesystem(state: State) -> Filesystem:
                       dedup=opts.dedup, tiering=tiering)
 
 
+def build_merged(state: State, fs: Filesystem) -> Optional["MergedFilesystem"]:
+    """With -o peers=: the filesystem the adapter serves, the mount's own
+    namespace over the peers' published files (merged.py); else None."""
+    opts = state.opts
+    if opts.peers is None:
+        return None
+    if state.backend is None:
+        raise UsageError("peers= needs a backing store shared with the peers (and tiering=on)")
+    from .merged import MergedFilesystem
+    from .peerview import PeerView
+    own = state.attached.volume.name if state.attached is not None else None
+    view = PeerView(state.backend, own, opts.peers or None, opts.peer_refresh_s)
+    return MergedFilesystem(fs, view)
+
+
 def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
     """Run the daemon in this process until unmounted. Returns an exit code.
 
@@ -453,6 +468,13 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
         _report(ready_fd, f"ckptfs: {e}")
         return ExitCode.FAILED
     fs = build_filesystem(state)
+    try:
+        merged = build_merged(state, fs)
+    except CkptfsError as e:
+        log.error("%s", e)
+        _report(ready_fd, f"ckptfs: {e}")
+        state.close()
+        return ExitCode.USAGE
     metrics = metrics_server = None
     if opts.metrics_port is not None or opts.metrics_file:
         from .metrics import MountMetrics
@@ -477,14 +499,18 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
             publishing.fence(state.attached.fenced)     # read-only from here on
         fastpath.want(True)
         try:
-            pyfuse3.init(CkptfsOperations(fs), opts.mountpoint, fuse_options(opts))
+            if merged is None:
+                ops = CkptfsOperations(fs)
+            else:       # failed lookups in merged directories: cached while the view is
+                ops = CkptfsOperations(merged, negative_timeout_s=opts.peer_refresh_s)
+            pyfuse3.init(ops, opts.mountpoint, fuse_options(opts))
         except RuntimeError as e:
             raise OperationFailed(f"cannot mount on {opts.mountpoint}: {e}") from None
         mounted = True
         if fastpath.missing:
             log.warning("%s; every request goes through pyfuse3", fastpath.missing)
         log.debug("FUSE channel fast path: %s", "on" if fastpath.hooked() else "off")
-        trio.run(_run, fs, opts, ready_fd, sock_path, attempt, metrics)
+        trio.run(_run, fs, opts, ready_fd, sock_path, attempt, metrics, merged)
     except (CkptfsError, OSError) as e:
         log.error("%s", e)
         _report(ready_fd, f"ckptfs: {e}")
@@ -500,16 +526,18 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
 
 
 async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
-               sock_path: str, attempt: Attempt, metrics=None) -> None:
+               sock_path: str, attempt: Attempt, metrics=None, merged=None) -> None:
     async with trio.open_nursery() as outer:
         outer.start_soon(fs.run_committer)
         async with trio.open_nursery() as inner:
-            await inner.start(control.serve, sock_path, _control_handlers(fs))
+            await inner.start(control.serve, sock_path, _control_handlers(merged or fs))
             inner.start_soon(_watch_signals)
             if not fastpath.hooked():
                 inner.start_soon(trio.to_thread.run_sync, _raise_read_ahead, opts.mountpoint)
             if fs.tierer is not None:
                 await inner.start(fs.tierer.run)
+            if merged is not None:
+                await inner.start(merged.run_refresh)
             if metrics is not None:
                 from . import metrics as prom
                 await inner.start(prom.refresh_periodically, metrics.snapshot, fs.stats)

@@ -63,9 +63,10 @@ class CkptfsOperations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = True
 
-    def __init__(self, fs: Filesystem) -> None:
+    def __init__(self, fs: Filesystem, negative_timeout_s: float = NEGATIVE_TIMEOUT_S) -> None:
         super().__init__()
-        self.fs = fs
+        self.fs = fs        # or a merged.MergedFilesystem (-o peers=): the same calls
+        self.negative_timeout_s = negative_timeout_s
 
     # ------------------------------------------------------------- helpers
 
@@ -74,8 +75,11 @@ class CkptfsOperations(pyfuse3.Operations):
         i = a.inode
         e.st_ino = i.ino
         e.generation = 0          # inode numbers are never reused
-        e.entry_timeout = ENTRY_TIMEOUT_S
-        e.attr_timeout = ATTR_TIMEOUT_S
+        if a.cache_timeout_s is None:
+            e.entry_timeout = ENTRY_TIMEOUT_S
+            e.attr_timeout = ATTR_TIMEOUT_S
+        else:               # a peer volume's entry (merged.py): it may change
+            e.entry_timeout = e.attr_timeout = a.cache_timeout_s
         e.st_mode = i.mode
         e.st_nlink = i.nlink
         e.st_uid = i.uid
@@ -102,7 +106,7 @@ class CkptfsOperations(pyfuse3.Operations):
                 raise
             neg = pyfuse3.EntryAttributes()
             neg.st_ino = 0             # a cacheable "no such entry"
-            neg.entry_timeout = NEGATIVE_TIMEOUT_S
+            neg.entry_timeout = self.negative_timeout_s
             return neg
 
     async def forget(self, inode_list):

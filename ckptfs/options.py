@@ -46,6 +46,11 @@ OPTIONS: dict[str, tuple[bool, str]] = {
     "publish_delay": (True, "seconds within which every commit is copied to the backing "
                             "store and published (default 5 when backing= names a store, off "
                             "for the default store below SOURCE); off: only at tiering"),
+    "peers": (True, "all, or volume names joined by ':': show below this mount's own files, "
+                    "read-only, what those other volumes of the backing store published "
+                    "(merged by path; own names win); default: none"),
+    "peer_refresh": (True, "peers=: seconds between looks at the store for newer publishes "
+                           "of the peers (default 2); the kernel caches peers' names as long"),
     "hot_versions": (True, "checkpoint versions kept hot in the log (default 2); older ones "
                            "move to the backing store"),
     "tiering": (True, "on (default): move cold versions to the backing store in the "
@@ -94,6 +99,8 @@ class MountOptions:
     aws_profile: Optional[str] = None
     volume: Optional[str] = None
     publish_delay_s: Optional[float] = None     # None: the default; math.inf: off
+    peers: Optional[list[str]] = None           # None: no peer view; []: every other volume
+    peer_refresh_s: float = 2.0
     hot_versions: int = 2
     tiering: bool = True
     metrics_port: Optional[int] = None
@@ -146,6 +153,9 @@ class MountOptions:
         if self.publish_delay_s is not None:
             parts.append("publish_delay=" + ("off" if math.isinf(self.publish_delay_s)
                                              else f"{self.publish_delay_s}"))
+        if self.peers is not None:
+            parts.append("peers=" + (":".join(self.peers) or "all"))
+            parts.append(f"peer_refresh={self.peer_refresh_s:g}")
         parts.append(f"hot_versions={self.hot_versions}")
         parts.append(f"tiering={'on' if self.tiering else 'off'}")
         if self.metrics_port is not None:
@@ -250,6 +260,22 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
                                  f"{value!r}") from None
             if not 0 < opts.publish_delay_s <= 86400:
                 raise UsageError("publish_delay must be between 0 and 86400 seconds, or off")
+    elif name == "peers":
+        from .volumes import check_name
+        if value in ("all", "") or value is None:
+            opts.peers = []
+        elif value == "none":
+            opts.peers = None
+        else:
+            opts.peers = [check_name(v) for v in value.split(":")]
+    elif name == "peer_refresh":
+        try:
+            opts.peer_refresh_s = float(value)
+        except ValueError:
+            raise UsageError(f"peer_refresh must be a number of seconds, not {value!r}") \
+                from None
+        if not 0.1 <= opts.peer_refresh_s <= 3600:
+            raise UsageError("peer_refresh must be between 0.1 and 3600 seconds")
     elif name == "hot_versions":
         try:
             opts.hot_versions = int(value)

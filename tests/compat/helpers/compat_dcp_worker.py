@@ -2,7 +2,8 @@
 
     compat_dcp_worker.py INIT_FILE RANK WORLD MODE:CKPT_DIR:STEP [MODE:CKPT_DIR:STEP ...]
 
-MODE is save, async_save or load; the operations run in order in one process
+MODE is save, async_save or load; CKPT_DIR may be "DIR0+DIR1+...", one per
+rank (each rank its node's mount: tests/store/test_peers.py); the operations run in order in one process
 group (one torch start-up for several checkpoints). The state is built from STEP alone, so the
 loading ranks know exactly what every tensor must hold. Tensors are DTensors
 sharded over a CPU device mesh (gloo), so every rank writes its own shard
@@ -88,6 +89,7 @@ def main() -> int:
         mesh = init_device_mesh("cpu", (world,))
         for op in sys.argv[4:]:
             mode, ckpt_dir, step = op.split(":")
+            ckpt_dir = ckpt_dir.split("+")[rank] if "+" in ckpt_dir else ckpt_dir
             run_op(mode, ckpt_dir, int(step), mesh, rank)
             print(f"rank {rank}: {op} ok", flush=True)
         return 0
