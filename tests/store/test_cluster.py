@@ -216,8 +216,12 @@ def test_a_store_outage_grows_the_lag_never_blocks_writers_and_catches_up(make_m
     finally:
         store.up()
     assert sync_published(a, timeout_s=180).returncode == 0
-    st = a.stat()
-    assert st["publish_lag_s"] == 0 and st["publish_last_error"] is None, st
+    assert a.stat()["publish_lag_s"] == 0
+    # A round begun while the store was away may fail after another path has
+    # published the covering head; its error is stale and the next round
+    # (within one backoff, at most publish_delay) clears it.
+    wait_for(lambda: a.stat()["publish_last_error"] is None, 3 * DELAY_S + 5,
+             "the store error cleared after catching up")
     gone(a)
     b = make_mount(options=["pmem_size=128M"], start=False)
     assert recover(b, store, "a").returncode == 0
