@@ -227,7 +227,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"published snapshot {done['snapshot']}; deleted {done['dead_packs']} dead "
               f"packs, {done['old_heads']} older snapshot heads, {done['objects']} "
               f"namespace objects no kept head needs, {done['stale_manifests']} stale "
-              f"manifests, {done['temporary_files']} temporary files")
+              f"manifests, {done['temporary_files']} temporary files"
+              + (f"; {done['condemned_deleted']} packs other volumes no longer name "
+                 f"deleted, {done['condemned_held']} kept for them"
+                 if "condemned_deleted" in done else ""))
         return ExitCode.OK
     if args.cmd == "recover":
         from .recover import run_recover

@@ -20,6 +20,12 @@ What goes, and when:
 - `ckptfs gc` (`gc`, under the mover's pass lock): a snapshot, then dead and
   stray packs, older heads and what only they reach, legacy manifests,
   temporaries.
+- Dedup across volumes (`shared`, chunkindex.py): a dead pack of this
+  volume is condemned and deleted only if no other volume holds a ref to it;
+  a dead pack of another volume loses this volume's ref. gc first moves
+  chunks to the smallest-numbered copy (`Mover.share_known_chunks`), then
+  sweeps: any condemned pack no volume holds a ref to any more is deleted,
+  whoever condemned it. Safe while other nodes publish: no locks, no clocks.
 
 It may not write packs or choose what is cold. Blocks: the `*_blocking`
 functions (worker threads under the store limiter); the rest runs on the
@@ -30,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import trio
 
@@ -45,6 +51,9 @@ from .reclaim import Reclaimer
 from .snapshots import RETENTION_S, Published, Publisher
 from .volumes import SPACE_SHIFT
 
+if TYPE_CHECKING:
+    from .chunkindex import SharedChunks
+
 log = logging.getLogger("ckptfs.tier")
 
 
@@ -53,9 +62,10 @@ class Collector:
 
     def __init__(self, index: Index, reclaimer: Reclaimer, backend: Backend,
                  publisher: Optional[Publisher], mover: Mover, fence: StoreAheadFence,
-                 limiter: trio.CapacityLimiter) -> None:
+                 limiter: trio.CapacityLimiter,
+                 shared: Optional["SharedChunks"] = None) -> None:
         """publisher: None for a read-only mount without a volume (it publishes
-        and deletes nothing)."""
+        and deletes nothing). shared: dedup across volumes (chunkindex.py)."""
         self.index = index
         self.reclaimer = reclaimer
         self.backend = backend
@@ -66,6 +76,9 @@ class Collector:
         # One snapshot, copy round (publish.py) or gc at a time: the publisher's lock.
         self._publishing = publisher.lock if publisher is not None else trio.Lock()
         self.fenced: Optional[str] = None      # the volume went to another node
+        self.shared = shared
+        self.swept = (0, 0)           # the last gc's condemned packs: deleted, still held
+        mover.on_unused_refs = self.release_unused_refs
 
     # ------------------------------------------------------------ snapshots
 
@@ -222,6 +235,8 @@ class Collector:
             if pack.live_chunks == 0 and pack.pack_no not in zombie_packs:
                 ix.delete_pack(self.index, pack.pack_no)
                 ix.put_dead_pack(self.index, pack.pack_no, time.time_ns())   # crash-proof
+                if self.shared is not None:
+                    self.shared.no_adopt.add(pack.pack_no)     # never named again here
                 died += 1
                 name = packs.pack_name(pack.pack_no)
                 # The newest snapshot may still name its chunks: the blob goes once
@@ -229,6 +244,16 @@ class Collector:
                 self.index.after_durable(
                     lambda name=name: self.publisher.pending_pack_deletes.append(name))
         return died
+
+    def release_unused_refs(self, pack_nos: set[int]) -> None:
+        """Other volumes' packs the mover made a ref to and then named nothing
+        in: the ref goes with the next head, and this mount never takes
+        those packs again (so the ref is never dropped while it is needed)."""
+        if self.publisher is None or self.shared is None:
+            return
+        for pack_no in pack_nos:
+            self.shared.no_adopt.add(pack_no)
+            self.publisher.pending_pack_deletes.append(packs.pack_name(pack_no))
 
     async def gc(self) -> dict[str, int]:
         """`ckptfs gc`: publish a snapshot, then delete dead packs (and packs a
@@ -245,6 +270,7 @@ class Collector:
         if self.fenced is not None:
             raise Fenced(self.fenced)
         async with self._publishing:
+            await self.mover.share_known_chunks(force=True)    # one copy of what two stored
             dead = sum(1 for pack in ix.scan_packs(self.index) if pack.live_chunks == 0)
             self.collect_garbage()
             await self.index.wait_durable(self.index.current_seq())
@@ -262,7 +288,8 @@ class Collector:
                 if packs.pack_name(n) not in named:
                     ix.delete_dead_pack(self.index, n)
             await self.index.wait_durable(self.index.current_seq())
-            return {"dead_packs": dead + stray, "stale_manifests": done.manifests_deleted,
+            return {"dead_packs": dead + stray, "condemned_deleted": self.swept[0],
+                    "condemned_held": self.swept[1], "stale_manifests": done.manifests_deleted,
                     "old_heads": done.heads_deleted, "objects": done.objects_deleted,
                     "temporary_files": temp, "snapshot": done.seq}
 
@@ -276,7 +303,18 @@ class Collector:
         stray = [n for n in self.backend.list(packs.PACK_PREFIX)
                  if n not in named and (packs.pack_number(n) is None       # no one's
                                         or packs.pack_number(n) >> SPACE_SHIFT in spaces)]
+        shared = self.shared
+        if shared is not None:
+            # Condemned and kept for another volume's ref: the sweep's business.
+            condemned = {packs.pack_name(n) for n in shared.condemned_packs()}
+            stray = [n for n in stray if n not in condemned]
         for name in stray:
-            self.backend.delete(name)
+            n = packs.pack_number(name)
+            if shared is not None and n is not None:
+                shared.delete_pack_blocking(n)      # announced? another volume may name it
+            else:
+                self.backend.delete(name)
+        if shared is not None:
+            self.swept = shared.sweep_blocking()    # other nodes publish meanwhile: safe
         temp = self.backend.remove_incomplete(older_than=0)    # no write runs: see gc
         return len(stray), temp

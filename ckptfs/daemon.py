@@ -38,7 +38,7 @@ import time
 import uuid as uuidlib
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 # Before pyfuse3, so that the FUSE channel fast path can stand in for
 # libfuse's fuse_session_mount (ckptfs/fastpath.py).
@@ -65,6 +65,9 @@ from .mounts import fsname_encode, mount_device
 from .statedir import backing_root, index_exists, lock_source, log_path, remember_log_path
 from .pmemlog import CREATING_SUFFIX, PmemLog
 from .volumes import Attached
+
+if TYPE_CHECKING:
+    from .chunkindex import SharedChunks
 
 log = logging.getLogger("ckptfs.daemon")
 
@@ -413,10 +416,30 @@ def build_filesystem(state: State) -> Filesystem:
         tiering = TierSetup(state.backend, TierPolicy(hot_versions=opts.hot_versions),
                             volume=None if state.attached is None else state.attached.volume,
                             publish_delay_s=publish_delay(opts, state.index),
-                            read_only=opts.read_only)
+                            read_only=opts.read_only,
+                            shared=shared_chunks(state)
+                            if state.attached is not None and not opts.read_only and opts.dedup
+                            else None)
     return Filesystem(state.index, state.log, state.sources,
                       CommitPolicy(sync=opts.sync, lazy_max_delay_s=opts.lazy_delay_s),
                       dedup=opts.dedup, tiering=tiering)
+
+
+def shared_chunks(state: State) -> "SharedChunks":
+    """Dedup across the volumes of the store (chunkindex.py). Which pack spaces
+    are this volume's comes from its leases; a store that cannot be read now
+    leaves the current one only (a former holder's packs are then let go as
+    another volume's: kept in the store, never lost). May block."""
+    from .chunkindex import SharedChunks
+    from .volumes import pack_space
+    volume = state.attached.volume
+    spaces = {pack_space(state.index.counters[b"next_pack"])}
+    try:
+        spaces |= volume.state().spaces
+    except (CkptfsError, OSError) as e:
+        log.warning("the pack spaces of volume %s were not read (%s): only the current one "
+                    "counts as its own", volume.name, e)
+    return SharedChunks(state.backend, volume.name, spaces)
 
 
 def build_merged(state: State, fs: Filesystem) -> Optional["MergedFilesystem"]:

@@ -23,12 +23,24 @@ while it stays in the log. A chunk that has a copy is tiered without any
 pack written (`drop_log_copies`: it becomes a PACK chunk at its copy). Once
 the volume is fenced (another node holds it), no pack is written.
 
+Dedup across volumes (`shared`, chunkindex.py): before a pack is written,
+other volumes' chunk index objects are looked at again if the last look is
+older than WRITE_REFRESH_S; a chunk another volume stored is not written but
+named in that volume's pack, once this volume holds a ref to it (`Adopted`).
+Copies two nodes packed at once become one (`share_known_chunks`, each
+publish round and gc): every volume renames its chunks to the copy in the
+pack with the smallest number, so none keeps a ref to a copy the others
+left. An adopted pack the flip then names nothing in is handed to the
+collector (`on_unused_refs`), which drops the ref with the next head.
+
 A write that fails after its intent was durable leaves the pack's fate
 unknown: the collector is told (`failed_write`) and cleans up. The mover may
-not delete anything from the store, nor choose what is cold.
+not delete anything from the store (making a ref, or deleting the one it
+just made when the pack turns out unusable, is the protocol's taking step),
+nor choose what is cold.
 
-Blocks: `_write_pack_blocking` (its worker thread); the rest runs on the trio
-thread.
+Blocks: `_write_pack_blocking` and `_share_known_blocking` (its worker
+thread); the rest runs on the trio thread.
 """
 
 from __future__ import annotations
@@ -38,7 +50,8 @@ import os
 import queue
 import threading
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
 
 import outcome
 import trio
@@ -49,10 +62,13 @@ from . import packs
 from .backing.base import Backend
 from .chunker import chunk_id
 from .debugpause import pause_blocking, pausing_at
-from .errors import BackingFull, BlobMissing, DamagedData, Fenced, StoreAhead
+from .errors import BackingFull, BlobMissing, CkptfsError, DamagedData, Fenced, StoreAhead
 from .index import CHUNK_LOG, CHUNK_PACK, Chunk, Index
 from .pmemlog import PmemLog
 from .reclaim import Reclaimer
+
+if TYPE_CHECKING:
+    from .chunkindex import SharedChunks
 
 log = logging.getLogger("ckptfs.tier")
 
@@ -60,6 +76,19 @@ log = logging.getLogger("ckptfs.tier")
 # directories, snapshots, other writers. A store with less free space than a
 # pack takes smaller packs; one with less than this margin, none (BackingFull).
 STORE_MARGIN_BYTES = 2 << 20
+
+# Before a pack is written, other volumes' chunk indexes are looked at again if
+# the last look is older than this (one listing): chunks another node stored
+# moments ago are taken, not stored twice.
+WRITE_REFRESH_S = 1.0
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """A chunk another volume stored: named at its place in that volume's pack."""
+
+    pack_no: int
+    entry: packs.PackEntry
 
 
 class BackgroundThread:
@@ -134,7 +163,9 @@ class Mover:
     """Writes packs of cold chunks and flips the chunks' records to them."""
 
     def __init__(self, index: Index, plog: PmemLog, reclaimer: Reclaimer, backend: Backend,
-                 fence: StoreAheadFence) -> None:
+                 fence: StoreAheadFence, shared: Optional["SharedChunks"] = None) -> None:
+        """shared: other volumes' chunks this one may name instead of packing
+        its own copy (chunkindex.py); None without dedup across volumes."""
         self.index = index
         self.log = plog
         self.reclaimer = reclaimer
@@ -149,6 +180,11 @@ class Mover:
         self.fenced: Optional[str] = None  # the volume went to another node: write nothing
         self._thread = BackgroundThread()
         self._failed_write = trio.Event()
+        self.shared = shared
+        # Adopted packs a flip left unnamed: the collector drops their refs.
+        self.on_unused_refs: Callable[[set[int]], None] = lambda pack_nos: None
+        if shared is not None:
+            shared.no_adopt.update(ix.dead_packs(index))   # let go: never named again here
 
     def close(self) -> None:
         """The mover's thread ends (after the job it runs, if any)."""
@@ -216,7 +252,9 @@ class Mover:
         finally:
             self.reclaimer.end_read(epoch)
         entries, size = written
-        if copy:
+        if size == 0:
+            pass                        # every chunk adopted: no pack written
+        elif copy:
             self.copy_packs_written += 1
         else:
             self.packs_written += 1
@@ -252,11 +290,25 @@ class Mover:
                              "filesystem writes packs there; ckptfs fsck --repair raises its "
                              "counter")
         room = self._room_blocking()
+        shared = self.shared
+        if shared is not None:
+            try:
+                shared.refresh_blocking(max_age_s=WRITE_REFRESH_S)
+            except (CkptfsError, OSError) as e:
+                log.debug("other volumes' chunk indexes not read: %s", e)
         writer = packs.PackWriter.create(self.backend, name)
-        out: list[Optional[packs.PackEntry]] = []
+        out: list = []
         by_id: dict[bytes, packs.PackEntry] = {}
         try:
             for chunk in batch:
+                if shared is not None and chunk.chunk_id:
+                    # Another volume stored these bytes: name its pack, once it
+                    # holds a ref there (chunkindex.py), instead of a copy.
+                    theirs = shared.lookup(chunk.chunk_id)
+                    if theirs is not None and theirs[1].length == chunk.length \
+                            and shared.adopt_blocking(theirs[0]):
+                        out.append(Adopted(*theirs))
+                        continue
                 buf = memoryview(bytearray(chunk.length))
                 try:
                     self.log.read_into(buf, chunk.log_off, chunk.length, chunk.crcs, 0)
@@ -278,25 +330,37 @@ class Mover:
                     if len(writer) == 1 and pausing_at("pack-writing"):
                         pause_blocking("pack-writing")
                 out.append(by_id[cid])
+            if not writer.entries:
+                writer.abort()              # every chunk was another volume's already
+                return out, 0
             writer.commit()
         except BaseException:
             writer.abort()
             raise
         if pausing_at("pack-written"):
             pause_blocking("pack-written")
+        if shared is not None:
+            shared.written(pack_no, writer.entries)   # its index object goes with the head
         return out, writer.bytes_written
 
-    def _flip(self, pack_no: int, size: int, batch: list[Chunk],
-              entries: list[Optional[packs.PackEntry]], copy: bool = False) -> int:
+    def _flip(self, own_pack_no: int, size: int, batch: list[Chunk], entries: list,
+              copy: bool = False) -> int:
         """Point every chunk that is still where we read it at its pack copy
-        (`copy`: give it that copy, it stays in the log); record the pack and
-        clear its intent (one batch)."""
-        ix.put_pack(self.index, ix.PackInfo(pack_no, 0, 0, size))
-        ix.delete_pack_intent(self.index, pack_no)
+        (`copy`: give it that copy, it stays in the log), or at another
+        volume's copy it adopted; record the pack and clear its intent (one
+        batch)."""
+        if size:                        # nothing written when every chunk was adopted
+            ix.put_pack(self.index, ix.PackInfo(own_pack_no, 0, 0, size))
+        ix.delete_pack_intent(self.index, own_pack_no)
         moved = 0
         for old, entry in zip(batch, entries):
             if entry is None:
                 continue
+            pack_no = own_pack_no
+            if isinstance(entry, Adopted):
+                if entry.pack_no in self.shared.no_adopt:
+                    continue            # let go meanwhile: the next round packs it
+                pack_no, entry = entry.pack_no, entry.entry
             cur = ix.get_chunk(self.index, old.chunk_no)
             if cur is None or cur.kind != CHUNK_LOG or cur.log_off != old.log_off:
                 continue            # gone or changed meanwhile: its pack copy is dead
@@ -308,6 +372,7 @@ class Mover:
                 if not cur.chunk_id and ix.find_chunk_no(self.index, entry.chunk_id) is None:
                     ix.name_chunk(self.index, entry.chunk_id, cur.chunk_no)
                 moved += cur.length
+                self._count_adopted(pack_no, own_pack_no, cur.length)
                 continue
             if cur.copied:          # published meanwhile: that copy stays, ours is dead
                 ix.drop_log_copy(self.index, cur)
@@ -325,10 +390,83 @@ class Mover:
             self.reclaimer.release_after_durable(cur.log_off, cur.length)
             moved += cur.length
             self.moved_chunks += 1
+            self._count_adopted(pack_no, own_pack_no, cur.length)
         if copy:
             self.copied_bytes += moved
         else:
             self.moved_bytes += moved
+        self._unused_refs({e.pack_no for e in entries if isinstance(e, Adopted)})
+        return moved
+
+    def _count_adopted(self, pack_no: int, own_pack_no: int, length: int) -> None:
+        if pack_no != own_pack_no:
+            self.shared.adopted_chunks += 1
+            self.shared.adopted_bytes += length
+
+    def _unused_refs(self, pack_nos: set[int]) -> None:
+        """Other volumes' packs this volume made a ref to but names nothing in
+        (its chunks went meanwhile) go to the collector, which drops the ref
+        with the next head and never lets this mount take them again."""
+        unused = {n for n in pack_nos if ix.get_pack(self.index, n) is None}
+        if unused:
+            self.on_unused_refs(unused)
+
+    # ------------------------------------------- copies two nodes made at once
+
+    async def share_known_chunks(self, force: bool = False) -> int:
+        """Two nodes that stored the same bytes at about the same time each
+        packed them: of the copies, the one in the pack with the smallest
+        number stays. Chunks of this volume that another volume's pack with a
+        smaller number holds too are named there instead (a ref first), and
+        the pack they were in (own, or another's this volume took them from)
+        dies here once nothing else lives in it. `force`: read every index
+        object again and look at every known chunk (gc). The caller holds the
+        publish lock. Returns how many chunks moved."""
+        shared = self.shared
+        if shared is None or self.fenced is not None or self.fence.why is not None:
+            return 0
+        try:
+            await self._thread.run(shared.refresh_blocking, force)
+        except (CkptfsError, OSError) as e:
+            # What is known already still counts; the copies say if the store is away.
+            log.debug("other volumes' chunk indexes not read: %s", e)
+        wanted: list[tuple[int, int, packs.PackEntry]] = []
+        later = []
+        for cid, pack_no, entry in shared.take_fresh(everything=force):
+            cur = ix.find_chunk(self.index, cid)
+            if cur is not None and not cur.in_store:
+                later.append((cid, pack_no, entry))     # not published here yet
+                continue
+            # Own or another's: every volume moves to the smallest number, so
+            # none holds a ref to a copy the others left.
+            if cur is not None and cur.in_store and cur.pack_no > pack_no \
+                    and cur.length == entry.length:
+                wanted.append((cur.chunk_no, pack_no, entry))
+        shared.keep_fresh(later)
+        if not wanted:
+            return 0
+        usable = await self._thread.run(
+            lambda: {p for p in {p for _, p, _ in wanted} if shared.adopt_blocking(p)})
+        moved = 0
+        for chunk_no, pack_no, e in wanted:
+            cur = ix.get_chunk(self.index, chunk_no)
+            if pack_no not in usable or pack_no in shared.no_adopt or cur is None \
+                    or not cur.in_store or cur.pack_no <= pack_no:
+                continue                # changed meanwhile
+            if cur.kind == CHUNK_LOG:
+                ix.copy_to_pack(self.index, cur, pack_no, e.offset, e.stored_length, e.codec,
+                                e.param, e.crc, e.chunk_id)
+            else:
+                ix.move_chunk(self.index, cur, Chunk(
+                    cur.chunk_no, CHUNK_PACK, cur.refcount, cur.length, pack_no=pack_no,
+                    pack_off=e.offset, stored_length=e.stored_length, codec=e.codec,
+                    codec_param=e.param, payload_crc=e.crc, chunk_id=cur.chunk_id))
+            moved += 1
+            shared.adopted_chunks += 1
+            shared.adopted_bytes += cur.length
+        self._unused_refs(usable)
+        if moved:
+            log.info("%d chunks another volume stored too are now named in its packs", moved)
         return moved
 
 

@@ -240,6 +240,7 @@ class PublishLoop:
         # Under the publish lock: gc (which holds it too) must never take a
         # copy being written for a stray, nor its intent for a leftover.
         async with self.publisher.lock:
+            await tierer.share_known_chunks()       # copies other nodes stored too
             after = -1
             while True:
                 nos = ix.scan_unpublished(self.index, after, SCAN_CHUNKS)

@@ -37,6 +37,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 
 from tqdm import tqdm
 
+from . import chunkindex
 from . import index as ix
 from . import packs
 from . import snapshot_format as sf
@@ -124,7 +125,11 @@ def _recover(opts, backend: Backend, out, want_head: Optional[int]) -> int:
                               + (f" of filesystem {source.fs_uuid.hex()}" if source.volume is None
                                  else "") + ": nothing to recover from")
     report = Report()
-    where, more, pack_sizes = _read_packs(backend, out, source.spaces)
+    # Other volumes' packs this one names chunks of (dedup across volumes):
+    # its refs say which (chunkindex.py).
+    shared = set(chunkindex.referenced_packs(backend, source.volume)) \
+        if source.volume is not None else set()
+    where, more, pack_sizes = _read_packs(backend, out, source.spaces, shared)
     st = os.stat(opts.source)
     index = Index(tmp)
     unusable: Optional[str] = None
@@ -207,20 +212,22 @@ def _move_into_place(tmp: str, opts) -> None:
 Copy = tuple[int, packs.PackEntry]          # a pack number and its trailer's entry
 
 
-def _read_packs(backend: Backend, out, spaces: Optional[set[int]]
+def _read_packs(backend: Backend, out, spaces: Optional[set[int]], shared: set[int] = frozenset()
                 ) -> tuple[dict[bytes, Copy], dict[bytes, list[Copy]], dict[int, Optional[int]]]:
     """Where every chunk is, from the trailers of the packs in these pack
     spaces (None: all, a store before volumes); a damaged pack is named.
     Returns the first pack listing each chunk id, the further ones for ids
     several packs list, and the sizes of the readable packs (a damaged one's
     number maps to None: its name stays taken, the pack counter passes it).
-    Other volumes' packs are theirs to delete: never named by this index."""
+    Other volumes' packs are named only where this volume holds a ref to them
+    (`shared`: chunks it took from them, chunkindex.py)."""
     where: dict[bytes, Copy] = {}
     more: dict[bytes, list[Copy]] = {}
     sizes: dict[int, Optional[int]] = {}
     names = [n for n in backend.list(packs.PACK_PREFIX)
              if spaces is None or packs.pack_number(n) is None
-             or volumes.pack_space(packs.pack_number(n)) in spaces]
+             or volumes.pack_space(packs.pack_number(n)) in spaces
+             or packs.pack_number(n) in shared]
     for name in tqdm(names, desc="reading packs", unit="pack", disable=not sys.stderr.isatty(),
                      file=sys.stderr):
         pack_no = packs.pack_number(name)

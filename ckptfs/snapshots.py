@@ -18,10 +18,13 @@ symlink, device node and hard link. `Publisher.publish` writes one:
    nothing but their hash);
 3. then the head, last: a head names only durable objects, and objects name
    only chunks in durable packs (a chunk counts as in the store only once
-   its pack flip is durable);
+   its pack flip is durable); with dedup across volumes, the own packs it
+   names get their chunk index objects first (chunkindex.py);
 4. then what the new head made unnecessary goes: packs that died before the
-   state it describes, heads older than the newest KEEP_HEADS, objects no
-   kept head reaches, and manifests of the format before snapshots.
+   state it describes (shared: an own pack is condemned and deleted unless
+   another volume holds a ref, another volume's loses this volume's ref),
+   heads older than the newest KEEP_HEADS, objects no kept head reaches, and
+   manifests of the format before snapshots.
 
 Whether a chunk counts as in the store is a function given to the publisher
 (`packed_chunk_id`: a chunk in a pack), so that publishing hot chunks too
@@ -41,16 +44,20 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import trio
 
 from . import index as ix
+from . import packs
 from . import snapshot_format as sf
 from .backing.base import Backend
 from .errors import BlobMissing, CkptfsError, FormatError, StoreAhead
 from .index import ROOT_INO, Chunk, Index, Inode
 from .volumes import HeadKey, Volume, head_name
+
+if TYPE_CHECKING:
+    from .chunkindex import SharedChunks
 
 NO_HEAD: HeadKey = (0, 0)          # an object found in the store that no head marked yet
 
@@ -145,7 +152,9 @@ class Publisher:
 
     def __init__(self, index: Index, backend: Backend, volume: Volume,
                  in_store: Callable[[Chunk], Optional[bytes]] = packed_chunk_id,
-                 limiter: Optional[trio.CapacityLimiter] = None) -> None:
+                 limiter: Optional[trio.CapacityLimiter] = None,
+                 shared: Optional["SharedChunks"] = None) -> None:
+        """shared: dedup across the volumes of the store (chunkindex.py), or None."""
         self.index = index
         self.backend = backend                  # the store: packs
         self.volume = volume
@@ -172,6 +181,10 @@ class Publisher:
         # Told the state (index seq) of every head published (publish.py's lag).
         self.on_published: list[Callable[[int], None]] = []
         self.lock = trio.Lock()        # callers serialise publishes and gc with it
+        # Dedup across volumes (chunkindex.py): own packs get an index object
+        # before a head names them; letting a pack go condemns it (own) or
+        # drops this volume's ref (another's).
+        self.shared = shared
 
     # ------------------------------------------------------------ trio side
 
@@ -241,6 +254,8 @@ class Publisher:
         head = sf.Head(self.volume.fs_uuid, seq, now_ns, result.root, result.entries,
                        result.files, result.incomplete_files, self.volume.name,
                        self.volume.gen)
+        if self.shared is not None:
+            self.shared.announce_blocking(result.packs_named)
         self.volume.fence()                # never a head once another node holds the volume
         if not self.scope.create_once(self.volume.head_name(seq), sf.encode_head(head)):
             raise CkptfsError(f"{self.scope.url}: snapshot head {key} exists already (two "
@@ -256,11 +271,23 @@ class Publisher:
         # whose chunks died before it), never once another node holds the volume.
         self.volume.fence()
         for name in pack_deletes:
-            self.backend.delete(name)
+            self._delete_pack(name)
             result.packs_deleted += 1
             result.deleted_packs.append(name)
         self._collect(result, key, retention_s)
         return result
+
+    def _delete_pack(self, name: str) -> None:
+        """A pack no kept head names any more leaves the store (or, shared
+        with other volumes, is condemned or released: chunkindex.py). May block."""
+        pack_no = packs.pack_number(name)
+        if self.shared is not None and pack_no is not None:
+            self.shared.delete_pack_blocking(pack_no)
+            return
+        try:
+            self.backend.delete(name)
+        except BlobMissing:
+            pass
 
     def _check_newest(self, seq: int) -> None:
         """StoreAhead unless `seq` is above every valid head of the volume in the

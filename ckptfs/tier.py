@@ -78,13 +78,17 @@ class Tierer:
         self.limiter = trio.CapacityLimiter(1)          # the store: one pack at a time
         fence = StoreAheadFence()
         self.planner = Planner(index, plog, setup.policy)
-        self.mover = Mover(index, plog, reclaimer, setup.backend, fence)
+        # Dedup across volumes only for a mount that publishes (chunkindex.py).
+        self.shared = setup.shared if setup.volume is not None and not setup.read_only \
+            else None
+        self.mover = Mover(index, plog, reclaimer, setup.backend, fence, self.shared)
         # Snapshots go to the filesystem's volume; a read-only mount of one
         # that has none publishes nothing.
         self.publisher = None if setup.volume is None else \
-            Publisher(index, setup.backend, setup.volume, limiter=self.limiter)
+            Publisher(index, setup.backend, setup.volume, limiter=self.limiter,
+                      shared=self.shared)
         self.collector = Collector(index, reclaimer, setup.backend, self.publisher, self.mover,
-                                   fence, self.limiter)
+                                   fence, self.limiter, self.shared)
         self.fenced: Optional[str] = None
         self.publishing: Optional[PublishLoop] = None
         if self.publisher is not None and not setup.read_only:
@@ -298,6 +302,11 @@ class Tierer:
         """A snapshot now, unless nothing changed (publishing's rounds)."""
         await self.collector.publish()
 
+    async def share_known_chunks(self) -> int:
+        """Publishing's rounds: one copy of what two nodes packed at once
+        (`Mover.share_known_chunks`); the caller holds the publish lock."""
+        return await self.mover.share_known_chunks()
+
     async def copy_batch(self, batch: list[Chunk]) -> tuple[int, int]:
         """Publishing's copies (`Mover.copy_batch`); the caller holds the publish lock."""
         return await self.mover.copy_batch(batch)
@@ -367,4 +376,5 @@ class Tierer:
             "snapshot_age_s": None if self.publisher is None or self.publisher.last is None
             else round(time.time() - self.publisher.last_time, 1),
             **(self.publishing.stats() if self.publishing is not None else {}),
+            **(self.shared.stats() if self.shared is not None else {}),
         }

@@ -31,6 +31,7 @@ from .pmemlog import PmemLog
 
 if TYPE_CHECKING:
     from .volumes import Volume
+    from .chunkindex import SharedChunks
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,15 @@ class TierSetup:
     `core.Filesystem`, which builds the cold store, prefetcher and mover.
     `volume`: where its snapshots go (None: a read-only mount of a filesystem
     without one: nothing is published); `publish_delay_s`: publishing's bound
-    (None: off, snapshots only after passes); `read_only`: move nothing."""
+    (None: off, snapshots only after passes); `read_only`: move nothing;
+    `shared`: dedup across the volumes of the store (chunkindex.py), or None."""
 
     backend: Backend
     policy: TierPolicy
     volume: Optional["Volume"] = None
     publish_delay_s: Optional[float] = None
     read_only: bool = False
+    shared: Optional["SharedChunks"] = None
 
 
 @dataclass
