@@ -7,7 +7,8 @@ go on). Points: pack-begin (an intent durable, no byte of the pack written),
 pack-writing (a pack half written), pack-written (committed in the store,
 not yet named by the index), pass-done (a pass finished and durable),
 pack-dead (a pack that lost its last chunk left the index, its blob not yet
-deleted). Unset (always, outside tests), `pausing_at` is False everywhere.
+deleted), publish-failed (a publishing round failed, its error not yet
+recorded). Unset (always, outside tests), `pausing_at` is False everywhere.
 
 `pause_blocking` waits on the mover's worker thread (blocks); `pause` on the
 trio thread (only the mover's task waits).

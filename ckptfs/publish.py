@@ -30,8 +30,18 @@ and shows (`ckptfs stat`: publish_lag_s, publish_backlog_bytes,
 publish_last_error) and everything is caught up once the store answers.
 
 Lag: the age of the oldest durable change (any index batch) that no
-published head describes yet (`Lag`). `ckptfs sync --published` waits until
-a head describes every change durable when it was asked (`wait_published`).
+covering head describes yet (`Lag`). A head *covers* the state it describes
+when that state lists no chunk left to copy but those this loop could not
+copy (damaged in the log): a head a tiering pass or gc publishes while
+copies are still to be made describes the new files as not in the store,
+and covers nothing. `ckptfs sync --published` waits until a covering head
+describes every change durable when it was asked (`wait_published`).
+
+A round that fails after a covering head of everything durable when it
+began was published (by a tiering pass, gc, or a round) had nothing left to
+do: its error is stale (the store answered since it began) and is not
+recorded; a covering head of the state a failed round began at clears the
+error it recorded.
 
 Fenced (another node took the volume over): the loop stops for good, and
 the index turns read-only with the reason (`Index.fence`). The loop also
@@ -53,6 +63,7 @@ import trio
 
 from . import index as ix
 from . import packs
+from .debugpause import pause, pausing_at
 from .errors import CkptfsError, Fenced, OperationFailed
 from .index import CHUNK_LOG, Chunk, Index
 from .snapshots import Publisher
@@ -132,6 +143,13 @@ class PublishLoop:
         self.stats_ = PublishStats()
         self.state = "off" if delay_s is None else "idle"
         self.last_error: Optional[str] = None
+        # The newest durable state (index seq) a covering head describes.
+        self.covered_seq = -1
+        # Chunks the last copy phase found and could not copy (damaged log
+        # bytes, a damaged record): a head listing only these still covers.
+        self._uncopyable: frozenset[int] = frozenset()
+        self._round_begun_seq = 0          # what the round under way must publish
+        self._error_begun_seq = 0          # ... and what the one that failed had to
         self.fenced: Optional[str] = None
         self._wake = trio.Event()
         self._urgent = False
@@ -142,7 +160,6 @@ class PublishLoop:
         self._scope: Optional[trio.CancelScope] = None
         self._stopped = trio.Event()
         self.index.on_durable.append(self._durable)
-        publisher.on_published.append(self.lag.published)
         publisher.on_published.append(self._head_published)
         if delay_s is not None:
             # What this mount found in the index has waited since an unknown
@@ -156,11 +173,19 @@ class PublishLoop:
         self._wake.set()
 
     def _head_published(self, state_seq: int) -> None:
-        """A head was published by anyone (a round, a tiering pass, gc): with
-        nothing left to copy, a store failure is over."""
+        """A head was published by anyone (a round, a tiering pass, gc): it
+        covers its state if that lists nothing to copy but what cannot be."""
+        last = self.publisher.last
+        if last is None or last.unpublished is None \
+                or not last.unpublished <= self._uncopyable:
+            return
+        if state_seq <= self.covered_seq:
+            return
+        self.covered_seq = state_seq
+        self.lag.published(state_seq)
         if self.last_error is not None and self.fenced is None \
-                and self.index.counters[b"unpublished_bytes"] == 0:
-            self._clear_error()
+                and state_seq >= self._error_begun_seq:
+            self._clear_error()         # what the failed round had to publish is published
 
     def wake(self, urgent: bool = False) -> None:
         self._urgent = self._urgent or urgent
@@ -187,7 +212,7 @@ class PublishLoop:
         # Every chunk to copy came with a durable batch, which the lag counts
         # until a head describes it (chunks whose log bytes are damaged stay
         # in the backlog, but start no rounds of their own).
-        return self.index.durable_seq > self.publisher.published_seq or self.lag.age_s() > 0
+        return self.index.durable_seq > self.covered_seq or self.lag.age_s() > 0
 
     async def _loop(self) -> None:
         while self.fenced is None:
@@ -212,10 +237,10 @@ class PublishLoop:
             except Fenced as e:
                 self.fence(str(e))
             except (CkptfsError, OSError) as e:
-                self._failed(e)
+                await self._round_failed(e)
             except Exception as e:  # noqa: BLE001 - a bug must not take the mount down
                 log.exception("publishing failed unexpectedly")
-                self._failed(e)
+                await self._round_failed(e)
             finally:
                 self._changed.set()
                 self._changed = trio.Event()
@@ -234,6 +259,7 @@ class PublishLoop:
     async def round(self) -> None:
         """Copy every unpublished chunk into packs, then publish a snapshot."""
         tierer = self.tierer
+        self._round_begun_seq = self.index.durable_seq
         # Nothing more goes to the store once another node holds the volume.
         await trio.to_thread.run_sync(self.publisher.volume.fence)
         self.state = "copying"
@@ -242,6 +268,7 @@ class PublishLoop:
         async with self.publisher.lock:
             await tierer.share_known_chunks()       # copies other nodes stored too
             after = -1
+            uncopyable: set[int] = set()
             while True:
                 nos = ix.scan_unpublished(self.index, after, SCAN_CHUNKS)
                 if not nos:
@@ -250,9 +277,11 @@ class PublishLoop:
                 chunks = []
                 for no in nos:
                     chunk = ix.get_chunk(self.index, no)
-                    if chunk is not None and chunk.kind == CHUNK_LOG and not chunk.copied \
-                            and ix.chunk_record_problem(chunk) is None:
-                        chunks.append(chunk)
+                    if chunk is not None and chunk.kind == CHUNK_LOG and not chunk.copied:
+                        if ix.chunk_record_problem(chunk) is None:
+                            chunks.append(chunk)
+                        else:
+                            uncopyable.add(no)
                 start = 0
                 while start < len(chunks):
                     batch = self._next_batch(chunks, start)
@@ -260,10 +289,20 @@ class PublishLoop:
                     start += max(taken, 1)
                     self.stats_.packs_written += 1
                     self.stats_.copied_bytes += copied
+                for chunk in chunks:
+                    cur = ix.get_chunk(self.index, chunk.chunk_no)
+                    if cur is not None and cur.kind == CHUNK_LOG and not cur.copied \
+                            and cur.log_off == chunk.log_off:
+                        uncopyable.add(chunk.chunk_no)      # its log bytes are damaged
             await self.index.wait_durable(self.index.current_seq())
+            self._uncopyable = frozenset(uncopyable)
         self.state = "publishing"
         await tierer.publish()
         self._last_fence_check = time.monotonic()
+        # No head if nothing changed since the last one: it may cover now
+        # (what it listed turned out uncopyable).
+        if self.publisher.published_seq >= 0:
+            self._head_published(self.publisher.published_seq)
 
     def _next_batch(self, chunks: list[Chunk], start: int) -> list[Chunk]:
         """About pack_bytes of chunks for the next pack (the writer may take
@@ -289,6 +328,20 @@ class PublishLoop:
         self._backoff_s = 0.0
         self.retry_at = 0.0
         self.state = "idle"
+
+    async def _round_failed(self, e: BaseException) -> None:
+        if pausing_at("publish-failed"):
+            await pause("publish-failed")
+        if self.covered_seq >= self._round_begun_seq and self.fenced is None:
+            # A covering head of everything this round had to publish came out
+            # meanwhile (the store answered since it began): nothing failed.
+            log.info("a publishing round that began before the newest covering snapshot "
+                     "failed (%s); nothing of it is left to publish", e)
+            if self.last_error is None:
+                self.state = "idle"
+            return
+        self._error_begun_seq = self._round_begun_seq
+        self._failed(e)
 
     def _failed(self, e: BaseException) -> None:
         cap = BACKOFF_MAX_S if self.delay_s is None else max(1.0, min(BACKOFF_MAX_S,
@@ -322,7 +375,7 @@ class PublishLoop:
         if self.delay_s is None:
             raise OperationFailed("publishing is off on this mount (-o publish_delay=off): "
                                   "nothing is copied to the store until it is tiered")
-        while self.publisher.published_seq < seq:
+        while self.covered_seq < seq:
             if self.fenced is not None:
                 raise Fenced(self.fenced)
             self.wake(urgent=True)

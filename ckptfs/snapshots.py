@@ -70,6 +70,7 @@ KEEP_HEADS = 3          # the newest heads kept (with every object they reach)
 RETENTION_S = 600.0
 WRITE_THREADS = 8       # objects written at once: their fsyncs overlap
 WRITES_IN_FLIGHT = 64   # objects (bytes) held while waiting for a writer
+UNPUBLISHED_LISTED = 4096   # chunks still to copy a head remembers by number (publish.py)
 
 
 def packed_chunk_id(chunk: Chunk) -> Optional[bytes]:
@@ -98,6 +99,9 @@ class Published:
     heads_deleted: int = 0
     objects_deleted: int = 0
     manifests_deleted: int = 0
+    # LOG chunks without a copy in the state it describes (publish.py: a head
+    # naming none but those it cannot copy covers its state); None: too many.
+    unpublished: Optional[frozenset[int]] = frozenset()
 
 
 @dataclass
@@ -241,6 +245,9 @@ class Publisher:
             try:
                 self._walk(view, result)
                 result.packs_named = set(ix.scan_pack_numbers(view))
+                listed = ix.scan_unpublished(view, -1, UNPUBLISHED_LISTED + 1)
+                result.unpublished = None if len(listed) > UNPUBLISHED_LISTED \
+                    else frozenset(listed)
                 while self._writes:                # every object durable before the head
                     self._writes.popleft().result()
             except BaseException:

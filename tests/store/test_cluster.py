@@ -216,17 +216,84 @@ def test_a_store_outage_grows_the_lag_never_blocks_writers_and_catches_up(make_m
     finally:
         store.up()
     assert sync_published(a, timeout_s=180).returncode == 0
-    assert a.stat()["publish_lag_s"] == 0
-    # A round begun while the store was away may fail after another path has
-    # published the covering head; its error is stale and the next round
-    # (within one backoff, at most publish_delay) clears it.
-    wait_for(lambda: a.stat()["publish_last_error"] is None, 3 * DELAY_S + 5,
-             "the store error cleared after catching up")
+    st = a.stat()
+    assert st["publish_lag_s"] == 0 and st["publish_last_error"] is None, st
     gone(a)
     b = make_mount(options=["pmem_size=128M"], start=False)
     assert recover(b, store, "a").returncode == 0
     b.start([f"backing={store.location}", "volume=a", "publish_delay=off"])
     verify(b.path, first)
+    verify(b.path, second)
+
+
+def test_a_round_failing_after_a_covering_head_leaves_no_stale_error(make_mount, store,
+                                                                      monkeypatch, tmp_path):
+    """A round that fails (the store away) and records its error only after
+    another path (here a tiering pass: `ckptfs tier --now --all`) published a
+    head covering everything that round had to publish is not the current
+    error: `sync --published` returns, and right after it `ckptfs stat`
+    shows lag 0 and no error. The round is held between its failure and
+    the recording of its error by the debug hook."""
+    marker = tmp_path / "round-failed"
+    monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"publish-failed:{marker}")
+    a = make_mount(options=["pmem_size=128M", f"backing={store.location}", "volume=a",
+                            f"publish_delay={DELAY_S:g}"], over_itself=False)  # its log readable
+    monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
+    first = write_version(a.path, 1, size=MiB)
+    assert sync_published(a).returncode == 0
+    store.down()
+    try:
+        second = write_version(a.path, 2, size=MiB)
+        wait_for(marker.exists, 120, "a round failed while the store was away")
+    finally:
+        store.up()
+    a.tier_now("--all")             # everything into packs, then a head: it covers
+    marker.unlink()                 # the failed round goes on: records its error or not
+    daemon_log = a.source / ".ckptfs" / "daemon.log"
+    wait_for(lambda: "debug pause at publish-failed over" in daemon_log.read_text(), 30,
+             "the failed round went on")
+    assert sync_published(a).returncode == 0
+    st = a.stat()
+    assert st["publish_lag_s"] == 0 and st["publish_last_error"] is None, st
+    assert st["publish_state"] == "idle", st
+    gone(a)
+    b = make_mount(options=["pmem_size=128M"], start=False)
+    assert recover(b, store, "a").returncode == 0
+    b.start([f"backing={store.location}", "volume=a", "publish_delay=off"])
+    verify(b.path, first)
+    verify(b.path, second)
+
+
+def test_a_head_of_gc_does_not_count_as_published(make_mount, dir_store, monkeypatch):
+    """A head published while commits still wait for their copies (here gc's,
+    the publishing loop held by the debug hook after a failed round)
+    describes them as not in the store: `sync --published` does not return on
+    it, but once the copies and a head naming them are in the store."""
+    marker = dir_store.root.parent / "round-failed"
+    a = make_mount(options=["pmem_size=128M", f"backing={dir_store.location}", "volume=a",
+                            f"publish_delay={DELAY_S:g}"], start=False)
+    monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"publish-failed:{marker}")
+    a.start()
+    monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
+    dir_store.down()
+    try:
+        second = write_version(a.path, 2, size=MiB)
+        wait_for(marker.exists, 120, "a round failed while the store was away")
+    finally:
+        dir_store.up()
+    assert run_ckptfs("gc", str(a.path)).returncode == 0     # a head: the copies still wait
+    st = a.stat()
+    assert st["publish_backlog_bytes"] > 0 and st["publish_lag_s"] > 0, st
+    early = run_ckptfs("sync", "--published", str(a.path), "--timeout", "3", check=False)
+    assert early.returncode != 0, "sync --published returned before the copies were made"
+    marker.unlink()
+    assert sync_published(a).returncode == 0
+    st = a.stat()
+    assert st["publish_backlog_bytes"] == 0 and st["publish_lag_s"] == 0, st
+    gone(a)
+    b = make_mount(options=["pmem_size=128M"], start=False)
+    assert recover(b, dir_store, "a").returncode == 0
+    b.start([f"backing={dir_store.location}", "volume=a", "publish_delay=off"])
     verify(b.path, second)
 
 
