@@ -161,10 +161,11 @@ class Filesystem:
                 self._purge(ino)
             self.index.set_clean(True)
         except ReadOnly as e:
-            if self.index.fenced is None:
+            if self.index.fenced is None and self.index.failure is None:
                 raise
-            # Fenced (another node holds the volume): nothing more is written;
-            # the next mount purges orphans as after a crash.
+            # Fenced (another node holds the volume) or failed (the index took
+            # no more changes): nothing more is written; the next mount
+            # purges orphans as after a crash.
             log.warning("unmounting read-only (%s): orphans left for the next mount", e)
         try:
             await self.index.wait_durable(self.index.current_seq())

@@ -12,6 +12,11 @@ recorded). Unset (always, outside tests), `pausing_at` is False everywhere.
 
 `pause_blocking` waits on the mover's worker thread (blocks); `pause` on the
 trio thread (only the mover's task waits).
+
+CKPTFS_DEBUG_FAIL="POINT:PATH": once PATH exists, the first time the daemon
+reaches POINT it raises an unexpected exception there (a bug standing in),
+so tests see what the daemon does with one. Points: commit-durable (the
+index committer, right after a batch became durable, before it is announced).
 """
 
 from __future__ import annotations
@@ -25,12 +30,26 @@ import trio
 log = logging.getLogger("ckptfs.tier")
 
 DEBUG_PAUSE = os.environ.get("CKPTFS_DEBUG_PAUSE", "")
+DEBUG_FAIL = os.environ.get("CKPTFS_DEBUG_FAIL", "")
 _paused_once = False
+_failed_once = False
 
 
 def pausing_at(point: str) -> bool:
     """The test hook (DEBUG_PAUSE) names this point and has not paused yet."""
     return not _paused_once and DEBUG_PAUSE.partition(":")[0] == point
+
+
+def failing_at(point: str) -> bool:
+    """The failure hook (DEBUG_FAIL) names this point, its file exists, and it
+    has not fired yet: the caller raises. May block (a stat, only when set)."""
+    global _failed_once
+    if _failed_once or not DEBUG_FAIL or DEBUG_FAIL.partition(":")[0] != point \
+            or not os.path.exists(DEBUG_FAIL.partition(":")[2]):
+        return False
+    _failed_once = True
+    log.warning("debug failure at %s (CKPTFS_DEBUG_FAIL)", point)
+    return True
 
 
 def _pause_begins(point: str) -> str:

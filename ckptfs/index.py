@@ -152,6 +152,7 @@ import trio
 from sortedcontainers import SortedDict
 
 from .chunker import MAX_CHUNK_BYTES
+from .debugpause import failing_at
 from .errors import DamagedData, FormatError, IndexFailure, IndexFull, ReadOnly
 
 log = logging.getLogger(__name__)
@@ -812,7 +813,27 @@ class Index:
         is the group commit. A batch nobody waits for yet may gather changes
         for up to idle_delay_s before it is written, so that a create and the
         close that follows it cost one durable commit, not two.
+
+        An unexpected exception (a bug anywhere in the loop, a callback's
+        included) makes the filesystem read-only like a failed commit
+        (docs/CONSISTENCY.md): every waiter gets IndexFailure (EIO) instead of
+        waiting for a committer that is gone, reads go on, and the unmount
+        completes; the next mount recovers every durable commit.
         """
+        try:
+            await self._commit_batches(persist, limiter, idle_delay_s)
+        except Exception as e:  # noqa: BLE001 - never leave writers waiting on a dead committer
+            batch = self._committing or self._open
+            log.exception("the index committer failed unexpectedly at batch %d (last durable "
+                          "%d): %r; filesystem is now read-only (reads go on; a remount "
+                          "recovers every durable commit)", batch.seq, self.durable_seq, e)
+            if self.failure is None:
+                self.failure = e
+            self._durable_changed.set()
+            self._durable_changed = trio.Event()
+
+    async def _commit_batches(self, persist: Callable[[list[tuple[int, int]]], None],
+                              limiter: trio.CapacityLimiter, idle_delay_s: float) -> None:
         while True:
             if self._open.is_empty():
                 if self._stopping:
@@ -853,6 +874,9 @@ class Index:
                 self._durable_changed.set()
                 self._durable_changed = trio.Event()
                 return
+            if failing_at("commit-durable"):
+                raise RuntimeError(f"failure injected after batch {batch.seq} became durable "
+                                   "(CKPTFS_DEBUG_FAIL)")
             self._renew_read_txn()
             self._committing = None
             self.durable_seq = batch.seq
