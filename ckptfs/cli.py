@@ -229,7 +229,9 @@ def _run(args: argparse.Namespace) -> int:
               f"namespace objects no kept head needs, {done['stale_manifests']} stale "
               f"manifests, {done['temporary_files']} temporary files"
               + (f"; {done['condemned_deleted']} packs other volumes no longer name "
-                 f"deleted, {done['condemned_held']} kept for them"
+                 f"deleted, {done['condemned_held']} kept for them; "
+                 f"{done['repacked_chunks']} chunks rewritten out of packs that should "
+                 "not stay for them"
                  if "condemned_deleted" in done else ""))
         return ExitCode.OK
     if args.cmd == "recover":

@@ -23,8 +23,10 @@ What goes, and when:
 - Dedup across volumes (`shared`, chunkindex.py): a dead pack of this
   volume is condemned and deleted only if no other volume holds a ref to it;
   a dead pack of another volume loses this volume's ref. gc first moves
-  chunks to the smallest-numbered copy (`Mover.share_known_chunks`), then
-  sweeps: any condemned pack no volume holds a ref to any more is deleted,
+  chunks to the smallest-numbered copy (`Mover.share_known_chunks`), has
+  the mover rewrite what is still used of own packs less than half used and
+  of condemned packs of other volumes (`_repack`, `Mover.repack`: so copies
+  two nodes packed beside chunks of their own still go), then sweeps: any condemned pack no volume holds a ref to any more is deleted,
   whoever condemned it. Safe while other nodes publish: no locks, no clocks.
 
 It may not write packs or choose what is cold. Blocks: the `*_blocking`
@@ -63,7 +65,7 @@ class Collector:
     def __init__(self, index: Index, reclaimer: Reclaimer, backend: Backend,
                  publisher: Optional[Publisher], mover: Mover, fence: StoreAheadFence,
                  limiter: trio.CapacityLimiter,
-                 shared: Optional["SharedChunks"] = None) -> None:
+                 shared: Optional["SharedChunks"] = None, pack_bytes: int = 64 << 20) -> None:
         """publisher: None for a read-only mount without a volume (it publishes
         and deletes nothing). shared: dedup across volumes (chunkindex.py)."""
         self.index = index
@@ -78,6 +80,7 @@ class Collector:
         self.fenced: Optional[str] = None      # the volume went to another node
         self.shared = shared
         self.swept = (0, 0)           # the last gc's condemned packs: deleted, still held
+        self.pack_bytes = pack_bytes  # a repack's pack holds about this much
         mover.on_unused_refs = self.release_unused_refs
 
     # ------------------------------------------------------------ snapshots
@@ -271,6 +274,7 @@ class Collector:
             raise Fenced(self.fenced)
         async with self._publishing:
             await self.mover.share_known_chunks(force=True)    # one copy of what two stored
+            repacked = await self._repack()
             dead = sum(1 for pack in ix.scan_packs(self.index) if pack.live_chunks == 0)
             self.collect_garbage()
             await self.index.wait_durable(self.index.current_seq())
@@ -288,10 +292,54 @@ class Collector:
                 if packs.pack_name(n) not in named:
                     ix.delete_dead_pack(self.index, n)
             await self.index.wait_durable(self.index.current_seq())
-            return {"dead_packs": dead + stray, "condemned_deleted": self.swept[0],
+            return {"dead_packs": dead + stray, "repacked_chunks": repacked,
+                    "condemned_deleted": self.swept[0],
                     "condemned_held": self.swept[1], "stale_manifests": done.manifests_deleted,
                     "old_heads": done.heads_deleted, "objects": done.objects_deleted,
                     "temporary_files": temp, "snapshot": done.seq}
+
+    async def _repack(self) -> int:
+        """gc, with dedup across volumes: what is still used of packs that
+        should not stay alive for it is rewritten into new packs of this
+        volume (`Mover.repack`), so those packs die here: own packs less than
+        half used (their other chunks were renamed to another volume's copy,
+        or died), and other volumes' packs their owner condemned (held alive
+        by this volume's ref alone). Returns how many chunks moved."""
+        shared = self.shared
+        if shared is None or self.publisher is None:
+            return 0
+        condemned = set(await trio.to_thread.run_sync(shared.condemned_packs,
+                                                      limiter=self.limiter))
+        targets = set()
+        for pack in ix.scan_packs(self.index):
+            if pack.pack_no in self.mover.writing or pack.live_chunks == 0:
+                continue
+            if shared.is_own(pack.pack_no):
+                if pack.size_bytes and pack.live_bytes * 2 < pack.size_bytes:
+                    targets.add(pack.pack_no)
+            elif pack.pack_no in condemned:
+                targets.add(pack.pack_no)
+        if not targets:
+            return 0
+        chunks = [c for c in ix.scan_chunks(self.index)
+                  if c.in_store and c.pack_no in targets and c.chunk_id
+                  and c.chunk_id != ix.NO_CHUNK_ID]
+        chunks.sort(key=lambda c: (c.pack_no, c.pack_off))
+        moved = 0
+        start = 0
+        while start < len(chunks):
+            size = 0
+            end = start
+            while end < len(chunks) and size < self.pack_bytes \
+                    and end - start < packs.MAX_PACK_ENTRIES:
+                size += chunks[end].stored_length
+                end += 1
+            moved += await self.mover.repack(chunks[start:end])
+            start = end
+        if moved:
+            log.info("gc rewrote %d chunks out of %d packs that should not stay for them",
+                     moved, len(targets))
+        return moved
 
     def _gc_blocking(self, named: set[str], own_space: int) -> tuple[int, int]:
         # Packs neither the index nor the snapshot just published names: written

@@ -32,6 +32,8 @@ publish round and gc): every volume renames its chunks to the copy in the
 pack with the smallest number, so none keeps a ref to a copy the others
 left. An adopted pack the flip then names nothing in is handed to the
 collector (`on_unused_refs`), which drops the ref with the next head.
+gc has chunks the collector chooses rewritten as stored into a new pack
+(`repack`).
 
 A write that fails after its intent was durable leaves the pack's fate
 unknown: the collector is told (`failed_write`) and cleans up. The mover may
@@ -39,8 +41,8 @@ not delete anything from the store (making a ref, or deleting the one it
 just made when the pack turns out unusable, is the protocol's taking step),
 nor choose what is cold.
 
-Blocks: `_write_pack_blocking` and `_share_known_blocking` (its worker
-thread); the rest runs on the trio thread.
+Blocks: `_write_pack_blocking`, `_repack_blocking` and the index object
+refresh (its worker thread); the rest runs on the trio thread.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ from . import packs
 from .backing.base import Backend
 from .chunker import chunk_id
 from .debugpause import pause_blocking, pausing_at
-from .errors import BackingFull, BlobMissing, CkptfsError, DamagedData, Fenced, StoreAhead
+from .errors import (BackingFull, BlobDamaged, BlobMissing, CkptfsError, DamagedData, Fenced,
+                     StoreAhead)
 from .index import CHUNK_LOG, CHUNK_PACK, Chunk, Index
 from .pmemlog import PmemLog
 from .reclaim import Reclaimer
@@ -177,6 +180,7 @@ class Mover:
         self.packs_written = 0
         self.copied_bytes = 0              # copies for publishing (publish.py)
         self.copy_packs_written = 0
+        self.repacked_chunks = 0           # gc's rewrites (`repack`)
         self.fenced: Optional[str] = None  # the volume went to another node: write nothing
         self._thread = BackgroundThread()
         self._failed_write = trio.Event()
@@ -410,6 +414,111 @@ class Mover:
         unused = {n for n in pack_nos if ix.get_pack(self.index, n) is None}
         if unused:
             self.on_unused_refs(unused)
+
+    # ------------------------------------------------------------ repacking
+
+    async def repack(self, batch: list[Chunk]) -> int:
+        """gc: chunks in the store whose pack should not stay alive for them
+        (an own pack mostly unused since its other chunks were renamed to
+        another volume's copy, or another volume's pack its owner condemned)
+        are written as they are stored (compressed payload, CRC checked) into
+        a new pack of this volume and renamed there, a LOG chunk's copy as
+        much as a PACK chunk; the packs they were in then die for this volume
+        like any other. The same intent and flip as a move. Returns how many
+        chunks moved."""
+        if self.fenced is not None:
+            raise Fenced(self.fenced)
+        self.fence.check("no pack is written: ")
+        pack_no = self.index.allocate_id(b"next_pack")
+        self.writing.add(pack_no)
+        started = False
+        try:
+            ix.put_pack_intent(self.index, pack_no, time.time_ns())
+            await self.index.wait_durable(self.index.current_seq())
+            started = True
+            entries, size = await self._thread.run(self._repack_blocking, pack_no, batch)
+        except StoreAhead as e:
+            self.fence.close(e)
+            self.writing.discard(pack_no)
+            if self.index.failure is None:
+                ix.delete_pack_intent(self.index, pack_no)
+            raise
+        except BaseException:
+            self.writing.discard(pack_no)
+            if started:
+                self._failed_write.set()
+            elif self.index.failure is None:
+                ix.delete_pack_intent(self.index, pack_no)
+            raise
+        if size:
+            ix.put_pack(self.index, ix.PackInfo(pack_no, 0, 0, size))
+        ix.delete_pack_intent(self.index, pack_no)
+        moved = 0
+        for old, e in zip(batch, entries):
+            if e is None:
+                continue
+            cur = ix.get_chunk(self.index, old.chunk_no)
+            if cur is None or not cur.in_store or cur.pack_no != old.pack_no \
+                    or cur.pack_off != old.pack_off:
+                continue                # gone or moved meanwhile: this copy is dead
+            if cur.kind == CHUNK_LOG:
+                ix.copy_to_pack(self.index, cur, pack_no, e.offset, e.stored_length, e.codec,
+                                e.param, e.crc, e.chunk_id)
+            else:
+                ix.move_chunk(self.index, cur, Chunk(
+                    cur.chunk_no, CHUNK_PACK, cur.refcount, cur.length, pack_no=pack_no,
+                    pack_off=e.offset, stored_length=e.stored_length, codec=e.codec,
+                    codec_param=e.param, payload_crc=e.crc, chunk_id=cur.chunk_id))
+            moved += 1
+        self.writing.discard(pack_no)
+        self.repacked_chunks += moved
+        return moved
+
+    def _repack_blocking(self, pack_no: int, batch: list[Chunk]
+                         ) -> tuple[list[Optional[packs.PackEntry]], int]:
+        """Read each chunk's stored payload (CRC checked) and pack it as it is;
+        commit. A chunk that cannot be read stays where it is (None). May block."""
+        name = packs.pack_name(pack_no)
+        try:
+            self.backend.size(name)
+        except BlobMissing:
+            pass
+        else:
+            raise StoreAhead(f"{self.backend.url}: {name} is in the store already: this "
+                             "index is older than the store (restored from a copy?) or another "
+                             "filesystem writes packs there; ckptfs fsck --repair raises its "
+                             "counter")
+        writer = packs.PackWriter.create(self.backend, name)
+        out: list[Optional[packs.PackEntry]] = []
+        by_id: dict[bytes, packs.PackEntry] = {}
+        try:
+            for chunk in batch:
+                if chunk.chunk_id in by_id:
+                    out.append(by_id[chunk.chunk_id])
+                    continue
+                where = packs.PackEntry(chunk.chunk_id, chunk.pack_off, chunk.stored_length,
+                                        chunk.length, chunk.codec, chunk.codec_param,
+                                        chunk.payload_crc)
+                try:
+                    payload = packs.read_payload(self.backend, packs.pack_name(chunk.pack_no),
+                                                 where)
+                except (BlobDamaged, BlobMissing) as e:
+                    log.error("not repacking chunk %d: %s", chunk.chunk_no, e)
+                    out.append(None)
+                    continue
+                by_id[chunk.chunk_id] = writer.add(chunk.chunk_id, chunk.codec,
+                                                   chunk.codec_param, payload, chunk.length)
+                out.append(by_id[chunk.chunk_id])
+            if not writer.entries:
+                writer.abort()
+                return out, 0
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        if self.shared is not None:
+            self.shared.written(pack_no, writer.entries)   # its index object goes with the head
+        return out, writer.bytes_written
 
     # ------------------------------------------- copies two nodes made at once
 

@@ -88,7 +88,8 @@ class Tierer:
             Publisher(index, setup.backend, setup.volume, limiter=self.limiter,
                       shared=self.shared)
         self.collector = Collector(index, reclaimer, setup.backend, self.publisher, self.mover,
-                                   fence, self.limiter, self.shared)
+                                   fence, self.limiter, self.shared,
+                                   setup.policy.pack_bytes)
         self.fenced: Optional[str] = None
         self.publishing: Optional[PublishLoop] = None
         if self.publisher is not None and not setup.read_only:

@@ -217,6 +217,56 @@ def test_copies_two_nodes_stored_at_once_become_one(make_mount, tmp_path, fsck_c
     fsck_clean(a)
 
 
+def test_copies_packed_at_once_beside_chunks_of_their_own_become_one(make_mount, tmp_path,
+                                                                     fsck_clean, monkeypatch):
+    """What made the RGW series keep every node's copy: nodes that save the same
+    frozen layers at the same moment (as a synchronous job's nodes do) each
+    pack them in one pack with their own trained layers, before any of them
+    announced its pack. Renaming to the smallest-numbered copy then leaves the
+    other packs mostly unused but alive (their trained chunks); gc rewrites
+    what is still used of them into a new pack, and the old packs go."""
+    store = tmp_path / "store"
+    store.mkdir()
+    nodes = []
+    for name in ("nodeA", "nodeB"):
+        monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"pack-writing:{tmp_path / name}.paused")
+        nodes.append(node(make_mount, tmp_path, name, str(store)))
+    monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
+    frozen = os.urandom(16 * MiB)
+    own = {}
+    for m in nodes:
+        own[m.path.name] = os.urandom(2 * MiB)
+        (m.path / "frozen.bin").write_bytes(frozen)
+        (m.path / "trained.bin").write_bytes(own[m.path.name])
+    markers = [tmp_path / "nodeA.paused", tmp_path / "nodeB.paused"]
+    deadline = time.monotonic() + 120
+    while not all(p.exists() for p in markers):
+        assert time.monotonic() < deadline, "the nodes never both started a pack"
+        time.sleep(0.05)
+    for p in markers:
+        p.unlink()
+    published(*nodes)
+    twice = store_bytes(store)
+    assert twice > 34 * MiB                              # two copies, as set up
+    for _ in range(5):                                     # past the heads each keeps
+        for m in nodes:
+            (m.path / "tick").write_bytes(os.urandom(100))
+            run_ckptfs("gc", str(m.path))
+    once = store_bytes(store)
+    assert once < 21 * MiB, (twice, once)                # 16 + 2 + 2 MiB, and framing
+    for m in nodes:
+        m.remount()
+        assert (m.path / "frozen.bin").read_bytes() == frozen
+        assert (m.path / "trained.bin").read_bytes() == own[m.path.name]
+    a, b = nodes
+    b.umount()
+    recover_and_check(tmp_path, make_mount, str(store), "nodeB",
+                      {"frozen.bin": frozen, "trained.bin": own[b.path.name]})
+    a.umount()
+    recover_and_check(tmp_path, make_mount, str(store), "nodeA",
+                      {"frozen.bin": frozen, "trained.bin": own[a.path.name]})
+
+
 def test_an_owner_deleting_a_shared_pack_keeps_it_for_the_other(make_mount, tmp_path):
     store = tmp_path / "store"
     store.mkdir()
