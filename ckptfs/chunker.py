@@ -41,6 +41,8 @@ __all__ = [
     "CHUNK_ID_SIZE",
     "chunk_id",
     "Chunker",
+    "BatchChunker",
+    "NamedChunks",
     "chunk_buffer",
 ]
 
@@ -209,6 +211,120 @@ class Chunker:
                 self._start = end
             pos = seg_end
         self._scanned = max(self._scanned, pos)
+
+
+class NamedChunks:
+    """Chunks cut and named in one batch, as columns (no object per chunk):
+    stream offset, length, BLAKE3 id (b"" for an all-zero chunk), per-block
+    CRC-32Cs, zero flag."""
+
+    __slots__ = ("offsets", "lengths", "ids", "crcs", "zero")
+
+    def __init__(self) -> None:
+        self.offsets: list[int] = []
+        self.lengths: list[int] = []
+        self.ids: list[bytes] = []
+        self.crcs: list[bytes] = []
+        self.zero: list[bool] = []
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+
+class BatchChunker(Chunker):
+    """A :class:`Chunker` that also names what it cuts: BLAKE3 id, CRC-32C per
+    ``crc_block`` and zero flag of every chunk, computed as the bytes pass
+    (one native call per buffer: cut, checksum, zero test; BLAKE3 per chunk,
+    a chunk spanning buffers hashed incrementally), so no byte is read back.
+    Same cuts as :class:`Chunker` for the same stream."""
+
+    def __init__(self, min_size: int = DEFAULT_MIN_SIZE, avg_size: int = DEFAULT_AVG_SIZE,
+                 max_size: int = DEFAULT_MAX_SIZE, boundaries: Iterable[int] = (),
+                 detect_format: bool = True, crc_block: int = 64 * 1024) -> None:
+        self._feeder = native.ChunkFeeder(min_size, avg_size, max_size, crc_block)
+        self._hasher = None            # BLAKE3 of the pending chunk's bytes so far
+        self._named = NamedChunks()
+        super().__init__(min_size, avg_size, max_size, boundaries, detect_format)
+
+    def feed_named(self, data: Buffer) -> NamedChunks:
+        """`feed`, returning the completed chunks named."""
+        self.feed(data)
+        return self._take()
+
+    def finish_named(self) -> NamedChunks:
+        """`finish`, returning the remaining chunks named."""
+        self.finish()
+        return self._take()
+
+    def _take(self) -> NamedChunks:
+        named, self._named = self._named, NamedChunks()
+        return named
+
+    def _advance(self, view: memoryview, base: int, limit: int,
+                 out: list[tuple[int, int]]) -> None:
+        pos = self._scanned
+        stop = max(pos, min(limit, base + len(view)))
+        forced = self._forced
+        rel = []
+        while forced and forced[-1] <= stop:
+            rel.append(forced.pop() - pos)
+        seg = view[pos - base:stop - base]
+        ends, lengths, zero, crcs = self._feeder.feed(seg, rel)
+        named = self._named
+        hasher = self._hasher
+        block = self._feeder.crc_block
+        last = 0
+        for k, end in enumerate(ends):
+            length = lengths[k]
+            start = end - length
+            if zero[k]:
+                cid = b""
+            elif start >= 0:
+                cid = blake3(seg[start:end]).digest()
+            else:                      # begun in an earlier buffer
+                hasher.update(seg[:end])
+                cid = hasher.digest()
+            hasher = None
+            named.offsets.append(pos + start)
+            named.lengths.append(length)
+            named.ids.append(cid)
+            named.crcs.append(crcs[64 * k:64 * k + 4 * (-(-length // block))])
+            named.zero.append(bool(zero[k]))
+            out.append((pos + start, length))
+            last = end
+        if len(seg) > last:
+            if hasher is None:
+                hasher = blake3(seg[last:])
+            else:
+                hasher.update(seg[last:])
+        self._hasher = hasher
+        if ends:
+            self._start = pos + last
+        self._scanned = stop
+
+    def finish(self) -> list[tuple[int, int]]:
+        if self._finished:
+            return []
+        out: list[tuple[int, int]] = []
+        if self._held:
+            held, held_at = self._held, self._scanned
+            self._held = b""
+            self._advance(memoryview(held), held_at, self._fed, out)
+        length, zero, crcs = self._feeder.finish()
+        if length:
+            assert self._start + length == self._fed, (self._start, length, self._fed)
+            named = self._named
+            named.offsets.append(self._start)
+            named.lengths.append(length)
+            named.ids.append(b"" if zero else self._hasher.digest())
+            named.crcs.append(crcs)
+            named.zero.append(zero)
+            out.append((self._start, length))
+            self._start = self._fed
+        self._hasher = None
+        self._forced.clear()
+        self._finished = True
+        return out
 
 
 def chunk_buffer(

@@ -1290,6 +1290,25 @@ def find_chunk_no(kv, chunk_id: bytes) -> Optional[int]:
     return None if raw is None else read_u64(raw)
 
 
+def chunk_no_finder(index: "Index") -> Callable[[bytes], Optional[int]]:
+    """`find_chunk_no` for many ids in one synchronous stretch of the trio
+    thread (a write's batch): the pending layers and the read transaction
+    looked up once, not per id. Use it before the next await only."""
+    layers = [layer for batch in (index._open, index._committing) if batch is not None
+              for layer in (batch.ops.get("chunkids"),) if layer]
+    rtxn, db = index._rtxn, index._dbs["chunkids"]
+
+    def find(chunk_id: bytes) -> Optional[int]:
+        for layer in layers:
+            if chunk_id in layer:
+                raw = layer[chunk_id]
+                break
+        else:
+            raw = rtxn.get(chunk_id, db=db)
+        return None if raw is None else read_u64(raw)
+    return find
+
+
 def find_chunk(kv, chunk_id: bytes) -> Optional[Chunk]:
     """The stored chunk whose bytes have this BLAKE3 id, if any."""
     raw = kv._get("chunkids", chunk_id)

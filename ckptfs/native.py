@@ -37,6 +37,7 @@ __all__ = [
     "copy_nt",
     "map_log",
     "GearScanner",
+    "ChunkFeeder",
     "gear_cut_points",
     "find4",
     "open_beneath",
@@ -190,6 +191,69 @@ class GearScanner:
                 if n < _CUTS_PER_CALL:
                     return out
                 base += cuts[-1]
+
+
+class ChunkFeeder:
+    """Streaming cut-point scan that also checksums what it cuts
+    (``ckptfs_chunk_feed``): one C call per buffer finds the chunks that end
+    in it and, for each, its length, whether it is all zeros and its per-block
+    CRC-32Cs counted from the chunk's start.  A chunk may span any number of
+    calls; the state carries its CRCs so far.  One feeder per stream; not
+    thread-safe."""
+
+    __slots__ = ("min_size", "avg_size", "max_size", "crc_block", "_state")
+
+    CRC_BYTES = 64          # per chunk in the packed CRC output (16 blocks at most)
+
+    def __init__(self, min_size: int, avg_size: int, max_size: int, crc_block: int) -> None:
+        check_gear_sizes(min_size, avg_size, max_size)
+        if crc_block <= 0 or max_size > 16 * crc_block:
+            raise ValueError(f"max_size {max_size} needs more than 16 CRC blocks of {crc_block}")
+        self.min_size = min_size
+        self.avg_size = avg_size
+        self.max_size = max_size
+        self.crc_block = crc_block
+        self._state = ffi.new("ckptfs_chunk_state *")
+
+    @property
+    def pending(self) -> int:
+        """Bytes of the pending chunk so far."""
+        return int(self._state.absorbed)
+
+    def feed(self, data: Buffer, forced: list[int]
+             ) -> tuple[list[int], list[int], bytes, bytes]:
+        """Continue the stream with ``data``, cutting also at the ``forced``
+        offsets (ascending, within [0, len(data)]).  Returns, for the chunks
+        ending in ``data``: their end offsets in it, their whole lengths, a
+        zero flag byte each, and their CRCs packed ``CRC_BYTES`` apart."""
+        with ffi.from_buffer(data) as buf:
+            size = len(buf)
+            cap = size // self.min_size + len(forced) + 1
+            ends = _new_uninit("uint64_t[]", cap)
+            lengths = _new_uninit("uint64_t[]", cap)
+            zero = _new_uninit("uint8_t[]", cap)
+            crcs = _new_uninit("uint8_t[]", cap * self.CRC_BYTES)
+            n = lib.ckptfs_chunk_feed(self._state, buf, size, forced, len(forced),
+                                      self.min_size, self.avg_size, self.max_size,
+                                      self.crc_block, ends, lengths, zero, crcs, cap)
+        if n == ffi.cast("size_t", -1):
+            raise ValueError(f"forced cuts {forced} not ascending within [0, {size}]")
+        if n == 0:
+            return [], [], b"", b""
+        return (ffi.unpack(ends, n), ffi.unpack(lengths, n), ffi.buffer(zero, n)[:],
+                ffi.buffer(crcs, n * self.CRC_BYTES)[:])
+
+    def finish(self) -> tuple[int, bool, bytes]:
+        """End the stream: (length, all zero, CRCs) of the pending chunk
+        (length 0: none); the feeder starts a new stream."""
+        lengths = ffi.new("uint64_t[1]")
+        zero = ffi.new("uint8_t[1]")
+        crcs = ffi.new("uint8_t[]", self.CRC_BYTES)
+        if not lib.ckptfs_chunk_finish(self._state, self.crc_block, lengths, zero, crcs):
+            return 0, False, b""
+        length = int(lengths[0])
+        nblocks = -(-length // self.crc_block)
+        return length, bool(zero[0]), ffi.buffer(crcs, 4 * nblocks)[:]
 
 
 def gear_cut_points(data: Buffer, min_size: int, avg_size: int, max_size: int) -> list[int]:

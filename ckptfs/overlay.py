@@ -116,6 +116,25 @@ class Overlay:
         self._add_ref(target, 1)
         self._add_ref(e.chunk_no, len(new) - 2)
 
+    def retarget_run(self, i: int, run: list[tuple[int, int, int]]) -> None:
+        """`retarget` of several ranges of extent i at once, one splice:
+        run holds (a, b, target), ascending and disjoint, inside extent i."""
+        e = self.extents[i]
+        new = []
+        cur = e.file_off
+        for a, b, target in run:
+            if a > cur:
+                new.append(Extent(cur, a - cur, e.chunk_no, e.chunk_off + (cur - e.file_off)))
+            new.append(Extent(a, b - a, target, 0))
+            cur = b
+        if e.end > cur:
+            new.append(Extent(cur, e.end - cur, e.chunk_no, e.chunk_off + (cur - e.file_off)))
+        self.extents[i:i + 1] = new
+        self.starts[i:i + 1] = [x.file_off for x in new]
+        for _a, _b, target in run:
+            self._add_ref(target, 1)
+        self._add_ref(e.chunk_no, len(new) - len(run) - 1)
+
     def clear(self) -> None:
         """Remove everything, telling the owner of each chunk's last extent."""
         self.cut(0, 1 << 64)

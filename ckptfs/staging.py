@@ -25,14 +25,13 @@ block; everything else runs on the trio thread without blocking.
 from __future__ import annotations
 
 import bisect
-import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TypeVar
 
 import trio
 
-from .chunker import MAX_CHUNK_BYTES, Chunker, chunk_id
+from .chunker import MAX_CHUNK_BYTES, BatchChunker, NamedChunks
 from .dirtyfile import MAX_FILE_BYTES, DirtyFile
 from .errors import DamagedData, FileTooLarge
 from .index import CHUNK_LOG, Chunk, Extent, Index
@@ -90,17 +89,39 @@ class StagedRecord:
         self.length += nbytes
 
 
-@dataclass(slots=True)
-class ChunkInfo:
-    """A chunk cut out of staged bytes, named, not yet stored."""
+class ChunkBatch:
+    """Chunks cut out of staged bytes, named, not yet stored: one batch per
+    write (or per commit-time cut), as columns, so that settling them is one
+    pass (`WriteStager.store_once`) and no object is made per chunk."""
 
-    staged_no: int
-    file_off: int
-    length: int
-    log_off: int
-    chunk_id: bytes
-    crcs: bytes
-    zero: bool = False          # every byte is zero: becomes a hole
+    __slots__ = ("staged_nos", "file_offs", "lengths", "log_offs", "ids", "crcs", "zero")
+
+    def __init__(self) -> None:
+        self.staged_nos: list[int] = []
+        self.file_offs: list[int] = []
+        self.lengths: list[int] = []
+        self.log_offs: list[int] = []
+        self.ids: list[bytes] = []           # BLAKE3; b"" for a zero chunk
+        self.crcs: list[bytes] = []
+        self.zero: list[bool] = []           # every byte is zero: becomes a hole
+
+    def __len__(self) -> int:
+        return len(self.file_offs)
+
+    def add(self, named: NamedChunks, staged_no: int, file_base: int, log_base: int) -> None:
+        """Chunks at stream offsets `named.offsets` of bytes that lie at file
+        offset file_base + o and log offset log_base + o, in one staged record."""
+        n = len(named)
+        self.staged_nos.extend([staged_no] * n)
+        self.file_offs.extend([file_base + o for o in named.offsets])
+        self.log_offs.extend([log_base + o for o in named.offsets])
+        self._add_names(named)
+
+    def _add_names(self, named: NamedChunks) -> None:
+        self.lengths.extend(named.lengths)
+        self.ids.extend(named.ids)
+        self.crcs.extend(named.crcs)
+        self.zero.extend(named.zero)
 
 
 @dataclass(eq=False)
@@ -114,7 +135,7 @@ class ChunkStream:
 
     base: int                        # file offset of the chunker's position 0
     next_off: int                    # where the next write must start to continue it
-    chunker: Chunker
+    chunker: BatchChunker
     arena: Optional[StagedRecord] = None
     cursor: int = 0                  # log offset for the next byte in the arena
     # (file offset, log offset, staged no) where each arena begins, for cuts.
@@ -148,12 +169,6 @@ class WritePlan:
     stream_pos: int = 0                  # data[stream_pos:] continues the stream
     ticket: int = 0                      # stream writes: its place in the feeding order
     cut_at: Optional[int] = None         # a new arena: force a chunk cut at this file offset
-
-
-@functools.lru_cache(maxsize=1024)
-def _zero_id(length: int) -> bytes:
-    """The id of `length` zero bytes (zero runs give chunks of few lengths)."""
-    return chunk_id(bytes(length))
 
 
 class WriteStager:
@@ -192,7 +207,7 @@ class WriteStager:
             if stream is None and not df.overlay.end > off:
                 # Nothing written past here yet: a stream may start (also into a
                 # file first grown with ftruncate, as safetensors does).
-                stream = df.stream = ChunkStream(off, off, Chunker(detect_format=off == 0))
+                stream = df.stream = ChunkStream(off, off, BatchChunker(detect_format=off == 0))
             head = None
             if stream is not None and off == stream.next_off:
                 head = 0
@@ -224,11 +239,11 @@ class WriteStager:
         try:
             if plan.stream is not None:
                 if len(data) <= INLINE_BYTES and plan.stream.next_ticket == plan.ticket:
-                    infos = self.store_stream_blocking(plan, data)   # nobody ahead of us
+                    batch = self.store_stream_blocking(plan, data)   # nobody ahead of us
                 else:
-                    infos = await trio.to_thread.run_sync(
+                    batch = await trio.to_thread.run_sync(
                         self.store_stream_blocking, plan, data, limiter=self.io_limiter)
-                self.store_once(df, infos)
+                self.store_once(df, batch)
             else:
                 await self._inline_if_small(len(data), self.store_blocking, plan, data)
         except BaseException as e:
@@ -248,14 +263,14 @@ class WriteStager:
         async with df.cutting():
             stream = df.stream
             if stream is not None and stream.alive and stream.chunker.position:
-                infos = await self._inline_if_small(stream.chunker.position,
+                batch = await self._inline_if_small(stream.chunker.position,
                                                     self.finish_stream_blocking, stream)
-                self.store_once(df, infos)
+                self.store_once(df, batch)
             ranges = self.staged_ranges(df)
             if ranges:
-                infos = await self._inline_if_small(sum(r[2] for r in ranges),
+                batch = await self._inline_if_small(sum(r[2] for r in ranges),
                                                     self.cut_blocking, ranges)
-                self.store_once(df, infos)
+                self.store_once(df, batch)
 
     async def _inline_if_small(self, nbytes: int, fn: Callable[..., T], *args) -> T:
         if nbytes <= INLINE_BYTES:
@@ -376,131 +391,140 @@ class WriteStager:
             else:
                 chunk.crcs = self.log.store(log_off, view[pos:pos + length])
 
-    def store_stream_blocking(self, plan: WritePlan, data: bytes) -> list[ChunkInfo]:
-        """Copy a stream write into its arena, then, in its turn, cut the chunks
-        it completes. May block (also waiting for earlier writes' turns)."""
+    def store_stream_blocking(self, plan: WritePlan, data: bytes) -> ChunkBatch:
+        """Copy a stream write into its arena, then, in its turn, cut and name
+        the chunks it completes. May block (also waiting for earlier writes' turns)."""
         self.store_blocking(plan, data)
         stream = plan.stream
         with stream.turn:
             while stream.alive and stream.next_ticket != plan.ticket:
                 stream.turn.wait()
             try:
-                return self._feed(stream, plan, data) if stream.alive else []
+                return self._feed(stream, plan, data) if stream.alive else ChunkBatch()
             finally:
                 stream.next_ticket = plan.ticket + 1
                 stream.turn.notify_all()
 
-    def _feed(self, stream: ChunkStream, plan: WritePlan, data: bytes) -> list[ChunkInfo]:
+    def _feed(self, stream: ChunkStream, plan: WritePlan, data: bytes) -> ChunkBatch:
         if plan.cut_at is not None:
             stream.chunker.add_boundaries([plan.cut_at - stream.base])
-        view = memoryview(data)[plan.stream_pos:]
-        infos = []
-        for at, length in stream.chunker.feed(view):
-            file_off = stream.base + at
-            rel = file_off - (plan.file_off + plan.stream_pos)
-            # Name it from the write's own bytes when they hold the whole chunk.
-            inside = view[rel:rel + length] if rel >= 0 and rel + length <= len(view) else None
-            infos.append(self._name_streamed(stream, file_off, length, inside))
-        return infos
+        # One native pass names every chunk the write completes; a chunk begun
+        # by earlier writes was hashed as they passed, nothing is read back.
+        return self._locate(stream, stream.chunker.feed_named(memoryview(data)[plan.stream_pos:]))
 
-    def finish_stream_blocking(self, stream: ChunkStream) -> list[ChunkInfo]:
+    def finish_stream_blocking(self, stream: ChunkStream) -> ChunkBatch:
         """Cut the stream's unfinished tail; later writes start a fresh chunker. May block."""
-        infos = [self._name_streamed(stream, stream.base + at, length)
-                 for at, length in stream.chunker.finish()]
+        batch = self._locate(stream, stream.chunker.finish_named())
         stream.base = stream.next_off
-        stream.chunker = Chunker(detect_format=False)
-        return infos
+        stream.chunker = BatchChunker(detect_format=False)
+        return batch
 
-    def _name_streamed(self, stream: ChunkStream, file_off: int, length: int,
-                       data: Optional[memoryview] = None) -> ChunkInfo:
-        log_off, staged_no = stream.locate(file_off)
-        return self._name(staged_no, file_off, length, log_off, data)
+    @staticmethod
+    def _locate(stream: ChunkStream, named: NamedChunks) -> ChunkBatch:
+        """Where streamed chunks lie: a chunk never straddles two arenas."""
+        batch = ChunkBatch()
+        base = stream.base
+        for at in named.offsets:
+            file_off = base + at
+            log_off, staged_no = stream.locate(file_off)
+            batch.staged_nos.append(staged_no)
+            batch.file_offs.append(file_off)
+            batch.log_offs.append(log_off)
+        batch._add_names(named)
+        return batch
 
-    def _name(self, staged_no: int, file_off: int, length: int, log_off: int,
-              data: Optional[memoryview] = None) -> ChunkInfo:
-        """BLAKE3 id and CRCs of chunk bytes (read back from the log if not given). May block.
-
-        Read with pread, not through the mapping: touching mapped pages would
-        count the whole log as the daemon's resident memory.
-        """
-        if data is None:
-            data = memoryview(bytearray(length))
-            self.log.read_unverified_into(data, log_off)
-        cid = chunk_id(data)
-        if data[0] == 0 and data[-1] == 0 and cid == _zero_id(length):
-            return ChunkInfo(staged_no, file_off, length, log_off, b"", b"", zero=True)
-        return ChunkInfo(staged_no, file_off, length, log_off, cid, self.log.crcs_of(data))
-
-    def cut_blocking(self, ranges: list[tuple[int, int, int, int]]) -> list[ChunkInfo]:
+    def cut_blocking(self, ranges: list[tuple[int, int, int, int]]) -> ChunkBatch:
         """Cut staged ranges (staged no, file offset, length, log offset) into named
         chunks: the commit-time path for bytes not cut as they streamed in. May block."""
-        infos = []
+        batch = ChunkBatch()
         buf = memoryview(bytearray(min(CUT_READ_BYTES, max(r[2] for r in ranges))))
         for staged_no, file_off, length, log_off in ranges:
-            chunker = Chunker(detect_format=file_off == 0)
+            chunker = BatchChunker(detect_format=file_off == 0)
             pos = 0
             while pos < length:
                 n = min(len(buf), length - pos)
                 block = buf[:n]
                 self.log.read_unverified_into(block, log_off + pos)
-                cuts = chunker.feed(block)
-                if pos + n == length:
-                    cuts += chunker.finish()
-                for at, m in cuts:
-                    rel = at - pos
-                    inside = block[rel:rel + m] if rel >= 0 and rel + m <= n else None
-                    infos.append(self._name(staged_no, file_off + at, m, log_off + at, inside))
+                batch.add(chunker.feed_named(block), staged_no, file_off, log_off)
                 pos += n
-        return infos
+            batch.add(chunker.finish_named(), staged_no, file_off, log_off)
+        return batch
 
     # -------------------------------------------------------- storing once
 
-    def store_once(self, df: DirtyFile, infos: list[ChunkInfo]) -> None:
+    def store_once(self, df: DirtyFile, batch: ChunkBatch) -> None:
         """Make named chunks of staged bytes chunks, each stored once: the
         overlay points at a stored chunk with the same id (the staged bytes go
-        back at once) or at a new chunk made of the bytes where they lie."""
+        back at once) or at a new chunk made of the bytes where they lie.
+
+        One pass per batch: the usual case, a write's chunks all inside one
+        staged extent, is one overlay splice (`Overlay.retarget_run`)."""
         freed: list[tuple[int, int]] = []
         ov = df.overlay
-        for info in infos:
-            staged = df.staged.get(info.staged_no)
+        staged_recs = df.staged
+        pending_ids = df.pending_ids
+        lookup = ix.chunk_no_finder(self.index)
+        run: list[tuple[int, int, int]] = []       # (a, b, target) inside run_extent
+        run_extent: Optional[Extent] = None
+        for k, staged_no in enumerate(batch.staged_nos):
+            staged = staged_recs.get(staged_no)
             if staged is None:
                 continue                     # retired: nothing points at these bytes
-            a, b = info.file_off, info.file_off + info.length
+            a = batch.file_offs[k]
+            length = batch.lengths[k]
+            b = a + length
             i = ov.index_at(a)
-            whole = i is not None and ov.extents[i].chunk_no == staged.chunk_no and \
-                ov.extents[i].end >= b       # the usual case: one staged extent holds it all
-            covering = [ov.extents[i]] if whole else \
-                [e for e in ov.within(a, b) if e.chunk_no == staged.chunk_no]
-            if not covering or not staged.take(info.log_off, info.length):
+            e = ov.extents[i] if i is not None else None
+            whole = e is not None and e.chunk_no == staged.chunk_no and e.end >= b
+            if run and (not whole or e is not run_extent):
+                self._flush_run(ov, run_extent, run)
+                run = []
+                if whole:
+                    i = ov.index_at(a)
+            # the usual case: one staged extent holds it all
+            covering = [e] if whole else \
+                [x for x in ov.within(a, b) if x.chunk_no == staged.chunk_no]
+            log_off = batch.log_offs[k]
+            if not covering or not staged.take(log_off, length):
                 continue                     # overwritten meanwhile: retires with the record
             # A chunk with these bytes already stored (committed, or new in this file)?
-            if info.zero:
+            if batch.zero[k]:
                 target = ZERO_CHUNK          # zeros: a hole, stored nowhere
             else:
-                target = df.pending_ids.get(info.chunk_id)
+                cid = batch.ids[k]
+                target = pending_ids.get(cid)
                 if target is None:
-                    target = ix.find_chunk_no(self.index, info.chunk_id)
+                    target = lookup(cid)
             if target is None:
-                chunk = Chunk(self.index.allocate_id(b"next_chunk"), CHUNK_LOG, 0, info.length,
-                              log_off=info.log_off, crcs=info.crcs, chunk_id=info.chunk_id)
+                chunk = Chunk(self.index.allocate_id(b"next_chunk"), CHUNK_LOG, 0, length,
+                              log_off=log_off, crcs=batch.crcs[k], chunk_id=cid)
                 df.new_chunks[chunk.chunk_no] = chunk
-                df.pending_ids[info.chunk_id] = chunk.chunk_no
+                pending_ids[cid] = chunk.chunk_no
                 target = chunk.chunk_no
             else:
-                self.count_duplicate(info.length)
+                self.count_duplicate(length)
                 # Neighbouring duplicates are neighbours in the log: one release.
-                if freed and freed[-1][0] + freed[-1][1] == info.log_off:
-                    freed[-1] = (freed[-1][0], freed[-1][1] + info.length)
+                if freed and freed[-1][0] + freed[-1][1] == log_off:
+                    freed[-1] = (freed[-1][0], freed[-1][1] + length)
                 else:
-                    freed.append((info.log_off, info.length))
+                    freed.append((log_off, length))
             if whole:
-                ov.retarget(i, a, b, target)
+                run_extent = e
+                run.append((a, b, target))
                 continue
-            for e in covering:
-                s, t = max(e.file_off, a), min(e.end, b)
+            for x in covering:
+                s, t = max(x.file_off, a), min(x.end, b)
                 ov.put(Extent(s, t - s, target, s - a))
+        if run:
+            self._flush_run(ov, run_extent, run)
         for off, length in freed:
             df.give_back(off, length, written=True)
+
+    @staticmethod
+    def _flush_run(ov, extent: Extent, run: list[tuple[int, int, int]]) -> None:
+        i = ov.index_at(run[0][0])
+        assert i is not None and ov.extents[i] is extent
+        ov.retarget_run(i, run)
 
     def staged_ranges(self, df: DirtyFile) -> list[tuple[int, int, int, int]]:
         """Every staged byte range the overlay still points at, for `cut_blocking`."""

@@ -512,6 +512,136 @@ size_t ckptfs_gear_cuts(ckptfs_gear_state *state, const void *buf, size_t len,
     return n;
 }
 
+/* ---- naming chunks as they are cut ---------------------------------------- */
+
+static int all_zero(const unsigned char *p, size_t n)
+{
+    uint64_t acc = 0;
+    size_t i = 0;
+    /* Random data leaves at the first word; zero runs cost one pass. */
+    for (; i + 64 <= n; i += 64) {
+        uint64_t w[8];
+        memcpy(w, p + i, 64);
+        acc = w[0] | w[1] | w[2] | w[3] | w[4] | w[5] | w[6] | w[7];
+        if (acc)
+            return 0;
+    }
+    for (; i < n; i++)
+        if (p[i])
+            return 0;
+    return 1;
+}
+
+static void put_le32(uint8_t *out, uint32_t c)
+{
+    out[0] = (uint8_t)c;
+    out[1] = (uint8_t)(c >> 8);
+    out[2] = (uint8_t)(c >> 16);
+    out[3] = (uint8_t)(c >> 24);
+}
+
+/* Add n bytes to the pending chunk's CRCs and zero flag. */
+static void chunk_absorb(ckptfs_chunk_state *st, const unsigned char *p, size_t n,
+                         size_t block)
+{
+    while (n) {
+        size_t in_block = st->absorbed % block;
+        size_t take = block - in_block < n ? block - in_block : n;
+        st->crc = ckptfs_crc32c(st->crc, p, take);
+        if (!st->nonzero && !all_zero(p, take))
+            st->nonzero = 1;
+        st->absorbed += take;
+        p += take;
+        n -= take;
+        if (st->absorbed % block == 0) {
+            put_le32(st->crcs + 4 * (st->absorbed / block - 1), st->crc);
+            st->crc = 0;
+        }
+    }
+}
+
+/* Store the pending chunk at slot k and start a new one. */
+static void chunk_emit(ckptfs_chunk_state *st, size_t block, size_t k,
+                       uint64_t *lengths, uint8_t *zero, uint8_t *crcs)
+{
+    size_t nblocks = (st->absorbed + block - 1) / block;
+    if (st->absorbed % block)
+        put_le32(st->crcs + 4 * (nblocks - 1), st->crc);
+    lengths[k] = st->absorbed;
+    zero[k] = st->nonzero ? 0 : 1;
+    memcpy(crcs + 64 * k, st->crcs, 4 * nblocks);
+    st->absorbed = 0;
+    st->crc = 0;
+    st->nonzero = 0;
+}
+
+size_t ckptfs_chunk_feed(ckptfs_chunk_state *st, const void *buf, size_t len,
+                         const uint64_t *forced, size_t nforced,
+                         size_t min_size, size_t avg_size, size_t max_size,
+                         size_t crc_block, uint64_t *ends, uint64_t *lengths,
+                         uint8_t *zero, uint8_t *crcs, size_t max_out)
+{
+    if (min_size < 64 || min_size > avg_size || avg_size > max_size ||
+        (avg_size & (avg_size - 1)) != 0 || avg_size > ((uint64_t)1 << 40) ||
+        crc_block == 0 || max_size > CKPTFS_CHUNK_MAX_CRCS * (uint64_t)crc_block ||
+        max_out < len / min_size + nforced + 1)
+        return SIZE_MAX;
+    for (size_t f = 0; f < nforced; f++)
+        if (forced[f] > len || (f && forced[f] < forced[f - 1]))
+            return SIZE_MAX;
+
+    const unsigned char *p = buf;
+    size_t cuts[64];
+    size_t pos = 0, n = 0, f = 0;
+    for (;;) {
+        size_t seg_end = f < nforced ? forced[f] : len;
+        /* Scan [pos, seg_end): the gear cuts, each chunk CRC'd up to its end. */
+        while (pos < seg_end) {
+            size_t got = ckptfs_gear_cuts(&st->gear, p + pos, seg_end - pos, min_size,
+                                          avg_size, max_size, cuts, 64);
+            size_t at = pos;
+            for (size_t c = 0; c < got; c++) {
+                size_t end = pos + cuts[c];
+                chunk_absorb(st, p + at, end - at, crc_block);
+                ends[n] = end;
+                chunk_emit(st, crc_block, n, lengths, zero, crcs);
+                n++;
+                at = end;
+            }
+            if (got < 64) {
+                chunk_absorb(st, p + at, seg_end - at, crc_block);
+                pos = seg_end;
+            } else {
+                pos = at;       /* the cuts buffer filled: scan on from the last cut */
+            }
+        }
+        if (f == nforced)
+            break;
+        /* A forced cut at seg_end. */
+        if (st->absorbed) {
+            ends[n] = seg_end;
+            chunk_emit(st, crc_block, n, lengths, zero, crcs);
+            n++;
+        }
+        st->gear.hash = 0;
+        st->gear.pending = 0;
+        f++;
+    }
+    return n;
+}
+
+size_t ckptfs_chunk_finish(ckptfs_chunk_state *st, size_t crc_block,
+                           uint64_t *lengths, uint8_t *zero, uint8_t *crcs)
+{
+    size_t n = 0;
+    if (crc_block && st->absorbed) {
+        chunk_emit(st, crc_block, 0, lengths, zero, crcs);
+        n = 1;
+    }
+    memset(st, 0, sizeof *st);
+    return n;
+}
+
 size_t ckptfs_find4(const void *buf, size_t len, const void *needle)
 {
     const unsigned char *p = buf, *q = needle;

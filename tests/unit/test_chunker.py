@@ -20,6 +20,7 @@ from ckptfs.chunker import (
     DEFAULT_AVG_SIZE,
     DEFAULT_MAX_SIZE,
     DEFAULT_MIN_SIZE,
+    BatchChunker,
     Chunker,
     chunk_buffer,
     chunk_id,
@@ -695,3 +696,93 @@ def test_zstd_frames_in_the_chunker_dedup_moved_values(rng: random.Random) -> No
 
     assert new_bytes(True) == len(values[0])
     assert new_bytes(False) > len(values[0]) + 16 * 1024
+
+
+# ---- BatchChunker: cut and named in one native call per buffer ------------------
+
+
+def _reference_named(data: bytes, chunks: list[tuple[int, int]], crc_block: int) -> list:
+    """What the write path stored before the batch call: the Chunker's cuts,
+    each named from its own bytes (BLAKE3, per-block CRC-32C, zero test)."""
+    out = []
+    for off, n in chunks:
+        piece = data[off:off + n]
+        zero = not any(piece)
+        out.append((off, n, b"" if zero else chunk_id(piece),
+                    native.crc32c_blocks(piece, crc_block), zero))
+    return out
+
+
+def _batch_named(chunker: BatchChunker, data: bytes, sizes: Iterable[int]) -> list:
+    out, pos, it = [], 0, iter(sizes)
+    while pos <= len(data):
+        n = next(it)
+        named = chunker.feed_named(data[pos:pos + n]) if pos < len(data) else \
+            chunker.finish_named()
+        out += list(zip(named.offsets, named.lengths, named.ids, named.crcs, named.zero))
+        if pos == len(data):
+            break
+        pos = min(pos + n, len(data))
+    return out
+
+
+def _with_zero_runs(rng: random.Random, n: int) -> bytes:
+    data = bytearray(rng.randbytes(n))
+    for _ in range(3):
+        at = rng.randrange(n)
+        run = rng.randrange(1, 4 * DEFAULT_MAX_SIZE)
+        data[at:at + run] = bytes(len(data[at:at + run]))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("sizes,crc_block", [
+    ((DEFAULT_MIN_SIZE, DEFAULT_AVG_SIZE, DEFAULT_MAX_SIZE), 64 * 1024),
+    (SMALL, 64),
+    ((64, 64, 64), 7),
+])
+def test_batch_chunker_matches_reference(rng: random.Random, sizes, crc_block) -> None:
+    """Same chunks, ids, CRCs and zero flags as the Chunker plus naming each
+    chunk from its bytes, however the stream is split (writes that straddle
+    chunk ends, 1-byte and unaligned pieces, forced cuts, zero runs)."""
+    scale = sizes[2] // 64
+    for trial in range(12):
+        data = _with_zero_runs(rng, rng.randrange(1, 200 * scale) if trial % 4 else 4 * MIB)
+        bounds = sorted(rng.sample(range(len(data) + 1), min(6, len(data)))) if trial % 2 else []
+        whole = chunk_buffer(data, *sizes, boundaries=bounds, detect_format=False)
+        pieces = (1, 3, 4095, sizes[0] - 1, sizes[2] + 1, 1 << 20, rng.randrange(1, 1 << 20))
+        got = _batch_named(BatchChunker(*sizes, boundaries=bounds, detect_format=False,
+                                        crc_block=crc_block),
+                           data, random_pieces(rng, pieces))
+        assert got == _reference_named(data, whole, crc_block)
+
+
+def test_batch_chunker_on_torch_save_stream(tmp_path: Path) -> None:
+    """Format hints (held bytes, forced cuts learned from the stream) give the
+    same named chunks as the Chunker."""
+    torch, sd = _state_dict()
+    path = tmp_path / "ckpt.pt"
+    torch.save(sd, path)
+    raw = path.read_bytes()
+    whole = chunk_buffer(raw, *SMALL)
+    for seed in range(3):
+        chunker = BatchChunker(*SMALL, crc_block=256)
+        got = _batch_named(chunker, raw,
+                           random_pieces(random.Random(seed), (1, 2, 3, 31, 500, 8192)))
+        assert chunker.format == "zip"
+        assert got == _reference_named(raw, whole, 256)
+
+
+def test_chunk_feeder_rejects_bad_forced_cuts() -> None:
+    feeder = native.ChunkFeeder(64, 256, 1024, 64)
+    with pytest.raises(ValueError):
+        feeder.feed(bytes(100), [50, 10])
+    with pytest.raises(ValueError):
+        feeder.feed(bytes(100), [101])
+    with pytest.raises(ValueError):
+        native.ChunkFeeder(64, 256, 2048, 64)      # 32 CRC blocks: more than a chunk holds
+
+
+def test_chunk_feed_releases_the_gil() -> None:
+    feeder = native.ChunkFeeder(DEFAULT_MIN_SIZE, DEFAULT_AVG_SIZE, DEFAULT_MAX_SIZE, 64 * 1024)
+    data = os.urandom(64 * MIB)
+    assert_releases_gil(lambda: feeder.feed(data, []))

@@ -81,7 +81,7 @@ def test_overlay_matches_byte_model(seed):
         elif op < 0.8:
             ov.cut(a, b)
             model.cut(a, b)
-        else:
+        elif op < 0.9:
             i = ov.index_at(a)
             if i is None:
                 continue
@@ -90,6 +90,20 @@ def test_overlay_matches_byte_model(seed):
             target = rng.choice([ZERO_CHUNK, 7, 8])
             ov.retarget(i, a, b, target)
             model.put(Extent(a, b - a, target, 0))
+        else:
+            # Several ranges of one extent at once (a write's chunks settled).
+            i = ov.index_at(a)
+            if i is None:
+                continue
+            e = ov.extents[i]
+            cuts = sorted(rng.sample(range(e.file_off, e.end + 1), min(6, e.length + 1)))
+            run = [(x, y, rng.choice([ZERO_CHUNK, 7, 8, 9]))
+                   for x, y in zip(cuts[::2], cuts[1::2]) if y > x]
+            if not run:
+                continue
+            ov.retarget_run(i, run)
+            for x, y, target in run:
+                model.put(Extent(x, y - x, target, 0))
         _check(ov, model, live)
         lo, hi = sorted(rng.randrange(FILE_BYTES + 1) for _ in range(2))
         assert ov.within(lo, hi) == [e for e in ov if e.file_off < hi and e.end > lo]
