@@ -39,16 +39,64 @@ def _cdef(header: Path = HEADER) -> str:
     return "\n".join(line for line in lines if not line.lstrip().startswith("#"))
 
 
+# BLAKE3 in the write path's native call (ckptfs_chunk_feed) comes from the
+# BLAKE3 team's C implementation, which Debian ships as the C sources inside
+# librust-blake3-dev (tools/setup-debian.sh installs it). Its x86-64 SIMD
+# kernels are assembly (.S), so they need no per-file compiler flags, and
+# blake3_dispatch.c picks SSE2/SSE4.1/AVX2/AVX-512 at run time. Without it the
+# module builds anyway and Python names the chunks with the blake3 package.
+# CKPTFS_BLAKE3_C=DIR points at another copy of that c/ directory; =none skips it.
+BLAKE3_GLOB = "/usr/share/cargo/registry/blake3-*/c"
+BLAKE3_C = ("blake3.c", "blake3_dispatch.c", "blake3_portable.c")
+BLAKE3_ASM = ("blake3_sse2_x86-64_unix.S", "blake3_sse41_x86-64_unix.S",
+              "blake3_avx2_x86-64_unix.S", "blake3_avx512_x86-64_unix.S")
+
+
+def blake3_dir() -> Path | None:
+    """The BLAKE3 C library's source directory, if this machine has one."""
+    import glob
+    import platform
+
+    wanted = os.environ.get("CKPTFS_BLAKE3_C")
+    if wanted == "none" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    found = [Path(wanted)] if wanted else [Path(d) for d in sorted(glob.glob(BLAKE3_GLOB))]
+    for d in reversed(found):
+        if all((d / name).is_file() for name in BLAKE3_C + BLAKE3_ASM + ("blake3.h",)):
+            return d
+    return None
+
+
+def _blake3_objects(src: Path) -> list[str]:
+    """Compile the library once into build/blake3 (distutils does not take .S)."""
+    import sysconfig
+
+    out_dir = ROOT / "build" / "blake3"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    objects = []
+    for name in BLAKE3_C + BLAKE3_ASM:
+        obj = out_dir / (name.rsplit(".", 1)[0] + ".o")
+        if not obj.exists() or obj.stat().st_mtime < (src / name).stat().st_mtime:
+            subprocess.run(cc + ["-O3", "-fPIC", "-c", str(src / name), "-o", str(obj)],
+                           check=True)
+        objects.append(str(obj))
+    return objects
+
+
 def make_builder(root: str) -> FFI:
     """Builder with source paths under ``root`` ('' means relative to the cwd)."""
     ffi = FFI()
     ffi.cdef(_cdef())
+    b3 = blake3_dir()
     ffi.set_source(
         "ckptfs._native",
         '#include "ckptfs_native.h"',
         sources=[os.path.join(root, "native", name)
                  for name in ("ckptfs_native.c", "ckptfs_beneath.c")],
-        include_dirs=[os.path.join(root, "native")],
+        include_dirs=[os.path.join(root, "native")] + ([str(b3)] if b3 else []),
+        define_macros=[("CKPTFS_HAVE_BLAKE3", "1")] if b3 else [],
+        extra_objects=_blake3_objects(b3) if b3 else [],
         extra_compile_args=EXTRA_COMPILE_ARGS,
     )
     return ffi

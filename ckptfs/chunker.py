@@ -240,8 +240,12 @@ class BatchChunker(Chunker):
 
     def __init__(self, min_size: int = DEFAULT_MIN_SIZE, avg_size: int = DEFAULT_AVG_SIZE,
                  max_size: int = DEFAULT_MAX_SIZE, boundaries: Iterable[int] = (),
-                 detect_format: bool = True, crc_block: int = 64 * 1024) -> None:
-        self._feeder = native.ChunkFeeder(min_size, avg_size, max_size, crc_block)
+                 detect_format: bool = True, crc_block: int = 64 * 1024,
+                 hash_in_c: bool = True) -> None:
+        # BLAKE3 in the same C call when the module has it (one GIL release
+        # per buffer, not one per chunk); else here, with the blake3 package.
+        self._feeder = native.ChunkFeeder(min_size, avg_size, max_size, crc_block,
+                                          hash_ids=hash_in_c)
         self._hasher = None            # BLAKE3 of the pending chunk's bytes so far
         self._named = NamedChunks()
         super().__init__(min_size, avg_size, max_size, boundaries, detect_format)
@@ -269,7 +273,7 @@ class BatchChunker(Chunker):
         while forced and forced[-1] <= stop:
             rel.append(forced.pop() - pos)
         seg = view[pos - base:stop - base]
-        ends, lengths, zero, crcs = self._feeder.feed(seg, rel)
+        ends, lengths, zero, crcs, ids = self._feeder.feed(seg, rel)
         named = self._named
         hasher = self._hasher
         block = self._feeder.crc_block
@@ -279,6 +283,8 @@ class BatchChunker(Chunker):
             start = end - length
             if zero[k]:
                 cid = b""
+            elif ids:
+                cid = ids[32 * k:32 * k + 32]
             elif start >= 0:
                 cid = blake3(seg[start:end]).digest()
             else:                      # begun in an earlier buffer
@@ -292,7 +298,7 @@ class BatchChunker(Chunker):
             named.zero.append(bool(zero[k]))
             out.append((pos + start, length))
             last = end
-        if len(seg) > last:
+        if len(seg) > last and not self._feeder.hashes:
             if hasher is None:
                 hasher = blake3(seg[last:])
             else:
@@ -310,13 +316,13 @@ class BatchChunker(Chunker):
             held, held_at = self._held, self._scanned
             self._held = b""
             self._advance(memoryview(held), held_at, self._fed, out)
-        length, zero, crcs = self._feeder.finish()
+        length, zero, crcs, cid = self._feeder.finish()
         if length:
             assert self._start + length == self._fed, (self._start, length, self._fed)
             named = self._named
             named.offsets.append(self._start)
             named.lengths.append(length)
-            named.ids.append(b"" if zero else self._hasher.digest())
+            named.ids.append(b"" if zero else cid or self._hasher.digest())
             named.crcs.append(crcs)
             named.zero.append(zero)
             out.append((self._start, length))

@@ -201,11 +201,12 @@ class ChunkFeeder:
     calls; the state carries its CRCs so far.  One feeder per stream; not
     thread-safe."""
 
-    __slots__ = ("min_size", "avg_size", "max_size", "crc_block", "_state")
+    __slots__ = ("min_size", "avg_size", "max_size", "crc_block", "hashes", "_state")
 
     CRC_BYTES = 64          # per chunk in the packed CRC output (16 blocks at most)
 
-    def __init__(self, min_size: int, avg_size: int, max_size: int, crc_block: int) -> None:
+    def __init__(self, min_size: int, avg_size: int, max_size: int, crc_block: int,
+                 hash_ids: bool = True) -> None:
         check_gear_sizes(min_size, avg_size, max_size)
         if crc_block <= 0 or max_size > 16 * crc_block:
             raise ValueError(f"max_size {max_size} needs more than 16 CRC blocks of {crc_block}")
@@ -213,6 +214,8 @@ class ChunkFeeder:
         self.avg_size = avg_size
         self.max_size = max_size
         self.crc_block = crc_block
+        # Also BLAKE3 ids, when the module was built with the BLAKE3 library.
+        self.hashes = hash_ids and chunk_feed_hashes()
         self._state = ffi.new("ckptfs_chunk_state *")
 
     @property
@@ -221,11 +224,13 @@ class ChunkFeeder:
         return int(self._state.absorbed)
 
     def feed(self, data: Buffer, forced: list[int]
-             ) -> tuple[list[int], list[int], bytes, bytes]:
+             ) -> tuple[list[int], list[int], bytes, bytes, bytes]:
         """Continue the stream with ``data``, cutting also at the ``forced``
         offsets (ascending, within [0, len(data)]).  Returns, for the chunks
         ending in ``data``: their end offsets in it, their whole lengths, a
-        zero flag byte each, and their CRCs packed ``CRC_BYTES`` apart."""
+        zero flag byte each, their CRCs packed ``CRC_BYTES`` apart, and with
+        ``hashes`` their BLAKE3 ids packed 32 bytes apart (zeros for a zero
+        chunk; else b"")."""
         with ffi.from_buffer(data) as buf:
             size = len(buf)
             cap = size // self.min_size + len(forced) + 1
@@ -233,27 +238,36 @@ class ChunkFeeder:
             lengths = _new_uninit("uint64_t[]", cap)
             zero = _new_uninit("uint8_t[]", cap)
             crcs = _new_uninit("uint8_t[]", cap * self.CRC_BYTES)
+            ids = _new_uninit("uint8_t[]", cap * 32) if self.hashes else ffi.NULL
             n = lib.ckptfs_chunk_feed(self._state, buf, size, forced, len(forced),
                                       self.min_size, self.avg_size, self.max_size,
-                                      self.crc_block, ends, lengths, zero, crcs, cap)
+                                      self.crc_block, ends, lengths, zero, crcs, ids, cap)
         if n == ffi.cast("size_t", -1):
             raise ValueError(f"forced cuts {forced} not ascending within [0, {size}]")
         if n == 0:
-            return [], [], b"", b""
+            return [], [], b"", b"", b""
         return (ffi.unpack(ends, n), ffi.unpack(lengths, n), ffi.buffer(zero, n)[:],
-                ffi.buffer(crcs, n * self.CRC_BYTES)[:])
+                ffi.buffer(crcs, n * self.CRC_BYTES)[:],
+                ffi.buffer(ids, n * 32)[:] if self.hashes else b"")
 
-    def finish(self) -> tuple[int, bool, bytes]:
-        """End the stream: (length, all zero, CRCs) of the pending chunk
-        (length 0: none); the feeder starts a new stream."""
+    def finish(self) -> tuple[int, bool, bytes, bytes]:
+        """End the stream: (length, all zero, CRCs, id or b"") of the pending
+        chunk (length 0: none); the feeder starts a new stream."""
         lengths = ffi.new("uint64_t[1]")
         zero = ffi.new("uint8_t[1]")
         crcs = ffi.new("uint8_t[]", self.CRC_BYTES)
-        if not lib.ckptfs_chunk_finish(self._state, self.crc_block, lengths, zero, crcs):
-            return 0, False, b""
+        ids = ffi.new("uint8_t[32]") if self.hashes else ffi.NULL
+        if not lib.ckptfs_chunk_finish(self._state, self.crc_block, lengths, zero, crcs, ids):
+            return 0, False, b"", b""
         length = int(lengths[0])
         nblocks = -(-length // self.crc_block)
-        return length, bool(zero[0]), ffi.buffer(crcs, 4 * nblocks)[:]
+        return (length, bool(zero[0]), ffi.buffer(crcs, 4 * nblocks)[:],
+                ffi.buffer(ids, 32)[:] if self.hashes else b"")
+
+
+def chunk_feed_hashes() -> bool:
+    """ChunkFeeder names chunks with BLAKE3 in C (built with the BLAKE3 library)."""
+    return bool(lib.ckptfs_chunk_hashes())
 
 
 def gear_cut_points(data: Buffer, min_size: int, avg_size: int, max_size: int) -> list[int]:

@@ -514,6 +514,23 @@ size_t ckptfs_gear_cuts(ckptfs_gear_state *state, const void *buf, size_t len,
 
 /* ---- naming chunks as they are cut ---------------------------------------- */
 
+#ifdef CKPTFS_HAVE_BLAKE3
+/* The BLAKE3 team's C implementation (SIMD chosen at run time), built from
+ * Debian's librust-blake3-dev by ckptfs/_native_build.py when present. */
+#include "blake3.h"
+_Static_assert(sizeof(blake3_hasher) <= sizeof(((ckptfs_chunk_state *)0)->hasher),
+               "ckptfs_chunk_state.hasher too small for blake3_hasher");
+#endif
+
+int ckptfs_chunk_hashes(void)
+{
+#ifdef CKPTFS_HAVE_BLAKE3
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 static int all_zero(const unsigned char *p, size_t n)
 {
     uint64_t acc = 0;
@@ -542,8 +559,20 @@ static void put_le32(uint8_t *out, uint32_t c)
 
 /* Add n bytes to the pending chunk's CRCs and zero flag. */
 static void chunk_absorb(ckptfs_chunk_state *st, const unsigned char *p, size_t n,
-                         size_t block)
+                         size_t block, int hash)
 {
+#ifdef CKPTFS_HAVE_BLAKE3
+    if (hash && n) {
+        blake3_hasher *h = (blake3_hasher *)st->hasher;
+        if (!st->hashing) {
+            blake3_hasher_init(h);
+            st->hashing = 1;
+        }
+        blake3_hasher_update(h, p, n);
+    }
+#else
+    (void)hash;
+#endif
     while (n) {
         size_t in_block = st->absorbed % block;
         size_t take = block - in_block < n ? block - in_block : n;
@@ -562,9 +591,18 @@ static void chunk_absorb(ckptfs_chunk_state *st, const unsigned char *p, size_t 
 
 /* Store the pending chunk at slot k and start a new one. */
 static void chunk_emit(ckptfs_chunk_state *st, size_t block, size_t k,
-                       uint64_t *lengths, uint8_t *zero, uint8_t *crcs)
+                       uint64_t *lengths, uint8_t *zero, uint8_t *crcs, uint8_t *ids)
 {
     size_t nblocks = (st->absorbed + block - 1) / block;
+    if (ids) {
+#ifdef CKPTFS_HAVE_BLAKE3
+        if (st->nonzero && st->hashing)
+            blake3_hasher_finalize((const blake3_hasher *)st->hasher, ids + 32 * k, 32);
+        else
+#endif
+            memset(ids + 32 * k, 0, 32);
+    }
+    st->hashing = 0;
     if (st->absorbed % block)
         put_le32(st->crcs + 4 * (nblocks - 1), st->crc);
     lengths[k] = st->absorbed;
@@ -579,7 +617,7 @@ size_t ckptfs_chunk_feed(ckptfs_chunk_state *st, const void *buf, size_t len,
                          const uint64_t *forced, size_t nforced,
                          size_t min_size, size_t avg_size, size_t max_size,
                          size_t crc_block, uint64_t *ends, uint64_t *lengths,
-                         uint8_t *zero, uint8_t *crcs, size_t max_out)
+                         uint8_t *zero, uint8_t *crcs, uint8_t *ids, size_t max_out)
 {
     if (min_size < 64 || min_size > avg_size || avg_size > max_size ||
         (avg_size & (avg_size - 1)) != 0 || avg_size > ((uint64_t)1 << 40) ||
@@ -602,14 +640,14 @@ size_t ckptfs_chunk_feed(ckptfs_chunk_state *st, const void *buf, size_t len,
             size_t at = pos;
             for (size_t c = 0; c < got; c++) {
                 size_t end = pos + cuts[c];
-                chunk_absorb(st, p + at, end - at, crc_block);
+                chunk_absorb(st, p + at, end - at, crc_block, ids != NULL);
                 ends[n] = end;
-                chunk_emit(st, crc_block, n, lengths, zero, crcs);
+                chunk_emit(st, crc_block, n, lengths, zero, crcs, ids);
                 n++;
                 at = end;
             }
             if (got < 64) {
-                chunk_absorb(st, p + at, seg_end - at, crc_block);
+                chunk_absorb(st, p + at, seg_end - at, crc_block, ids != NULL);
                 pos = seg_end;
             } else {
                 pos = at;       /* the cuts buffer filled: scan on from the last cut */
@@ -620,7 +658,7 @@ size_t ckptfs_chunk_feed(ckptfs_chunk_state *st, const void *buf, size_t len,
         /* A forced cut at seg_end. */
         if (st->absorbed) {
             ends[n] = seg_end;
-            chunk_emit(st, crc_block, n, lengths, zero, crcs);
+            chunk_emit(st, crc_block, n, lengths, zero, crcs, ids);
             n++;
         }
         st->gear.hash = 0;
@@ -631,11 +669,12 @@ size_t ckptfs_chunk_feed(ckptfs_chunk_state *st, const void *buf, size_t len,
 }
 
 size_t ckptfs_chunk_finish(ckptfs_chunk_state *st, size_t crc_block,
-                           uint64_t *lengths, uint8_t *zero, uint8_t *crcs)
+                           uint64_t *lengths, uint8_t *zero, uint8_t *crcs,
+                           uint8_t *ids)
 {
     size_t n = 0;
     if (crc_block && st->absorbed) {
-        chunk_emit(st, crc_block, 0, lengths, zero, crcs);
+        chunk_emit(st, crc_block, 0, lengths, zero, crcs, ids);
         n = 1;
     }
     memset(st, 0, sizeof *st);

@@ -89,7 +89,9 @@ size_t ckptfs_gear_cuts(ckptfs_gear_state *state, const void *buf, size_t len,
  * from the chunk's start: the CRCs the log's records carry).  A chunk may
  * begin in an earlier buffer: the state carries its CRC of the unfinished
  * block, the CRCs of its finished blocks and its zero flag, so no byte is
- * read twice.  Zero the state to start a stream. */
+ * read twice.  When built with BLAKE3 (ckptfs_chunk_hashes() == 1) it also
+ * gives each chunk's BLAKE3-256 id, the state carrying the hasher of the
+ * pending chunk.  Zero the state to start a stream. */
 #define CKPTFS_CHUNK_MAX_CRCS 16
 typedef struct {
     ckptfs_gear_state gear;
@@ -97,14 +99,22 @@ typedef struct {
     uint32_t crc;       /* CRC-32C of its unfinished block */
     uint32_t nonzero;   /* it holds a nonzero byte */
     uint8_t crcs[64];   /* its finished blocks' CRCs, little-endian */
+    uint32_t hashing;   /* hasher holds the pending chunk's bytes so far */
+    uint64_t hasher[256]; /* a blake3_hasher (opaque here) */
 } ckptfs_chunk_state;
+
+/* 1 if ckptfs_chunk_feed names chunks with BLAKE3 (the build found the
+ * BLAKE3 C library), else 0: the caller hashes them. */
+int ckptfs_chunk_hashes(void);
 
 /* Continue the stream with buf.  forced: nforced ascending offsets in [0, len]
  * where a chunk must end (a pending chunk, if any, ends there and the scan
  * restarts).  For each chunk ending in buf, in order, stores: ends[k] its end
  * offset in buf (1..len), lengths[k] its whole length, zero[k] 1 if all its
  * bytes are zero, crcs[64k..] its ceil(length / crc_block) block CRCs (four
- * bytes each, little-endian; the rest of the 64 bytes untouched).  Returns
+ * bytes each, little-endian; the rest of the 64 bytes untouched), and, if
+ * ids is not NULL and ckptfs_chunk_hashes(), ids[32k..] its BLAKE3-256
+ * (all zero bytes for a zero chunk, which is never looked up).  Returns
  * how many, or SIZE_MAX (touching nothing) when the sizes are invalid (see
  * ckptfs_gear_cuts), max_size > 16 * crc_block, forced is not ascending
  * within [0, len], or max_out < len / min_size + nforced + 1. */
@@ -112,12 +122,13 @@ size_t ckptfs_chunk_feed(ckptfs_chunk_state *st, const void *buf, size_t len,
                          const uint64_t *forced, size_t nforced,
                          size_t min_size, size_t avg_size, size_t max_size,
                          size_t crc_block, uint64_t *ends, uint64_t *lengths,
-                         uint8_t *zero, uint8_t *crcs, size_t max_out);
+                         uint8_t *zero, uint8_t *crcs, uint8_t *ids, size_t max_out);
 
 /* End the stream: if a chunk is pending, store it as ckptfs_chunk_feed would
  * (its end offset is 0) and return 1, else 0; the state is zeroed. */
 size_t ckptfs_chunk_finish(ckptfs_chunk_state *st, size_t crc_block,
-                           uint64_t *lengths, uint8_t *zero, uint8_t *crcs);
+                           uint64_t *lengths, uint8_t *zero, uint8_t *crcs,
+                           uint8_t *ids);
 
 /* Offset of the first occurrence of the 4-byte needle in buf, or len if there
  * is none.  SSE2; the format hint parser's search for zip data descriptors. */

@@ -59,8 +59,12 @@ quietly() {
 
 export DEBIAN_FRONTEND=noninteractive
 # python3-dev: Python.h for the native helpers (cffi compiles them with gcc).
+# librust-blake3-dev: the BLAKE3 team's C implementation (Debian ships it as
+# the C sources inside that package); the native write-path call names chunks
+# with it (ckptfs/_native_build.py), one GIL release per write, not per chunk.
 missing=""
-for pkg in fuse3 libfuse3-dev pkg-config gcc python3 python3-venv python3-dev $apt_extra; do
+for pkg in fuse3 libfuse3-dev pkg-config gcc python3 python3-venv python3-dev \
+           librust-blake3-dev $apt_extra; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing="$missing $pkg"
 done
 missing_norec=""

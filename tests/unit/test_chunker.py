@@ -735,12 +735,19 @@ def _with_zero_runs(rng: random.Random, n: int) -> bytes:
     return bytes(data)
 
 
+# BLAKE3 in the native call (a build with the BLAKE3 library), or in Python.
+HASH_IN_C = [pytest.param(True, marks=pytest.mark.skipif(
+    not native.chunk_feed_hashes(), reason="built without the BLAKE3 C library")), False]
+
+
+@pytest.mark.parametrize("hash_in_c", HASH_IN_C)
 @pytest.mark.parametrize("sizes,crc_block", [
     ((DEFAULT_MIN_SIZE, DEFAULT_AVG_SIZE, DEFAULT_MAX_SIZE), 64 * 1024),
     (SMALL, 64),
     ((64, 64, 64), 7),
 ])
-def test_batch_chunker_matches_reference(rng: random.Random, sizes, crc_block) -> None:
+def test_batch_chunker_matches_reference(rng: random.Random, sizes, crc_block,
+                                         hash_in_c) -> None:
     """Same chunks, ids, CRCs and zero flags as the Chunker plus naming each
     chunk from its bytes, however the stream is split (writes that straddle
     chunk ends, 1-byte and unaligned pieces, forced cuts, zero runs)."""
@@ -751,12 +758,13 @@ def test_batch_chunker_matches_reference(rng: random.Random, sizes, crc_block) -
         whole = chunk_buffer(data, *sizes, boundaries=bounds, detect_format=False)
         pieces = (1, 3, 4095, sizes[0] - 1, sizes[2] + 1, 1 << 20, rng.randrange(1, 1 << 20))
         got = _batch_named(BatchChunker(*sizes, boundaries=bounds, detect_format=False,
-                                        crc_block=crc_block),
+                                        crc_block=crc_block, hash_in_c=hash_in_c),
                            data, random_pieces(rng, pieces))
         assert got == _reference_named(data, whole, crc_block)
 
 
-def test_batch_chunker_on_torch_save_stream(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hash_in_c", HASH_IN_C)
+def test_batch_chunker_on_torch_save_stream(tmp_path: Path, hash_in_c: bool) -> None:
     """Format hints (held bytes, forced cuts learned from the stream) give the
     same named chunks as the Chunker."""
     torch, sd = _state_dict()
@@ -765,7 +773,7 @@ def test_batch_chunker_on_torch_save_stream(tmp_path: Path) -> None:
     raw = path.read_bytes()
     whole = chunk_buffer(raw, *SMALL)
     for seed in range(3):
-        chunker = BatchChunker(*SMALL, crc_block=256)
+        chunker = BatchChunker(*SMALL, crc_block=256, hash_in_c=hash_in_c)
         got = _batch_named(chunker, raw,
                            random_pieces(random.Random(seed), (1, 2, 3, 31, 500, 8192)))
         assert chunker.format == "zip"
@@ -780,6 +788,14 @@ def test_chunk_feeder_rejects_bad_forced_cuts() -> None:
         feeder.feed(bytes(100), [101])
     with pytest.raises(ValueError):
         native.ChunkFeeder(64, 256, 2048, 64)      # 32 CRC blocks: more than a chunk holds
+
+
+def test_chunk_feed_hashes_in_c_where_the_build_can() -> None:
+    """tools/setup-debian.sh installs the BLAKE3 C library: there, a build
+    without it is a mistake (the write path pays a GIL round trip per chunk)."""
+    from ckptfs._native_build import blake3_dir
+    if blake3_dir() is not None:
+        assert native.chunk_feed_hashes()
 
 
 def test_chunk_feed_releases_the_gil() -> None:
