@@ -11,7 +11,11 @@ file: the frozen layers (float32, the same on every node and every step) and
 the trained layers (float32, new per node and step), like a fine-tune whose
 base model every node holds. After each phase: `ckptfs sync --published` on
 every node, then the bytes of packs/ in the store (S3: the sizes of the
-objects under the prefix's packs/).
+objects under the prefix's packs/), and again after 4 rounds of `ckptfs gc`
+on every node. Series: 1 node; 3 nodes on one store; 3 nodes on a store
+each (what the store would hold without dedup across nodes); and one node
+saving the frozen layers alone once, which gives the ideal for 3 nodes (the
+frozen layers once, every trained part once).
 
 Phase gc: 2 nodes save --steps steps each (deleting the step before the last,
 as a trainer's rotation does) while `ckptfs gc` runs in a loop on both; the
@@ -102,38 +106,47 @@ def save_step(m: Mount, node: int, step: int, frozen: dict, trained_mib: int) ->
     d = m.path / f"checkpoint-{step}"
     d.mkdir()
     state = dict(frozen)
-    state.update(tensors(1000 * node + step + 1, trained_mib, "trained"))
+    if trained_mib:
+        state.update(tensors(1000 * node + step + 1, trained_mib, "trained"))
     tmp = d / "model.safetensors.tmp"
     save_file(state, str(tmp))
     os.rename(tmp, d / "model.safetensors")
     return hashlib.sha256((d / "model.safetensors").read_bytes()).digest()
 
 
-def series(store: Store, work: Path, nodes: int, args) -> dict:
-    url = store.new_prefix(f"series-{nodes}")
+def series(store: Store, work: Path, nodes: int, args, separate: bool = False,
+           steps: int = 0, trained_mib: int = 0) -> dict:
+    """nodes save `steps` steps each (default --steps; trained_mib 0 with
+    steps 1: the frozen layers alone); `separate`: each node on a store of
+    its own (no dedup across nodes)."""
+    steps = steps or args.steps
+    tag = f"series-{nodes}{'-separate' if separate else ''}{'-frozen' if steps == 1 else ''}"
+    urls = [store.new_prefix(f"{tag}-{i}") for i in range(nodes)] if separate \
+        else [store.new_prefix(tag)]
     frozen = tensors(7, args.frozen_mib, "frozen")
-    (work / f"series-{nodes}").mkdir()
-    mounts = [mount_node(work / f"series-{nodes}", url, f"node{i}") for i in range(nodes)]
+    (work / tag).mkdir()
+    mounts = [mount_node(work / tag, urls[i % len(urls)], f"node{i}") for i in range(nodes)]
     started = time.monotonic()
     try:
-        for step in range(args.steps):
+        for step in range(steps):
             for i, m in enumerate(mounts):
-                save_step(m, i, step, frozen, args.trained_mib)
+                save_step(m, i, step, frozen, trained_mib if steps == 1 else args.trained_mib)
         for m in mounts:
             run_ckptfs("sync", "--published", str(m.path), timeout=1800)
         seconds = time.monotonic() - started
-        held = store.pack_bytes(url)
+        held = sum(store.pack_bytes(url) for url in urls)
         saved = sum(m.stat().get("shared_bytes_saved", 0) for m in mounts)
         # Packs a node let go (copies two nodes packed at once) leave with the
         # heads that name them: gc on every node, past the 3 heads each keeps.
         for _ in range(4):
             for m in mounts:
                 run_ckptfs("gc", str(m.path), timeout=1800)
-        after_gc = store.pack_bytes(url)
+        after_gc = sum(store.pack_bytes(url) for url in urls)
     finally:
         for m in mounts:
             m.cleanup()
-    logical = nodes * args.steps * (args.frozen_mib + args.trained_mib) * MiB
+    logical = nodes * steps * (args.frozen_mib + (trained_mib if steps == 1 else args.trained_mib)
+                               ) * MiB
     return {"nodes": nodes, "logical_mib": logical / MiB, "store_mib": held / MiB,
             "store_mib_after_gc": after_gc / MiB,
             "shared_saved_mib": saved / MiB, "seconds": seconds}
@@ -220,12 +233,20 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-cluster-", dir=args.workdir))
     store = Store(args.store, work)
     try:
-        for nodes in (1, 3):
-            r = series(store, work, nodes, args)
-            log(f"series, {nodes} node(s): {r['logical_mib']:.0f} MiB saved, store holds "
+        one = None
+        for nodes, separate in ((1, False), (3, False), (3, True)):
+            r = series(store, work, nodes, args, separate)
+            one = r if nodes == 1 else one
+            log(f"series, {nodes} node(s){' on a store each' if separate else ''}: "
+                f"{r['logical_mib']:.0f} MiB saved, store holds "
                 f"{r['store_mib']:.1f} MiB of packs ({r['store_mib_after_gc']:.1f} MiB after gc on "
                 f"every node); {r['shared_saved_mib']:.1f} MiB taken "
                 f"from other volumes instead of stored; {r['seconds']:.1f} s")
+        f = series(store, work, 1, args, steps=1, trained_mib=0)["store_mib_after_gc"]
+        trained = (one["store_mib_after_gc"] - f) / args.steps
+        log(f"ideal for 3 nodes: the frozen layers once ({f:.1f} MiB stored) and "
+            f"{3 * args.steps} trained parts ({trained:.2f} MiB each): "
+            f"{f + 3 * args.steps * trained:.1f} MiB")
         r = gc_phase(store, work, args)
         log(f"gc during 2 nodes' publishes: {r['saves']} saves (median {r['save_s_median']:.2f} "
             f"s, max {r['save_s_max']:.2f} s), {r['gcs']} gc runs (median "
