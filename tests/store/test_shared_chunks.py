@@ -260,9 +260,13 @@ def test_copies_packed_at_once_beside_chunks_of_their_own_become_one(make_mount,
         assert (m.path / "trained.bin").read_bytes() == own[m.path.name]
     a, b = nodes
     b.umount()
+    res = b.fsck()                                         # the repacked index, as left
+    assert res.returncode == 0, res.stdout + res.stderr
     recover_and_check(tmp_path, make_mount, str(store), "nodeB",
                       {"frozen.bin": frozen, "trained.bin": own[b.path.name]})
     a.umount()
+    res = a.fsck()
+    assert res.returncode == 0, res.stdout + res.stderr
     recover_and_check(tmp_path, make_mount, str(store), "nodeA",
                       {"frozen.bin": frozen, "trained.bin": own[a.path.name]})
 
