@@ -21,6 +21,7 @@ States are sha256 hex digests, or ABSENT.
 from __future__ import annotations
 
 import hashlib
+from typing import Iterable
 
 ABSENT = "absent"
 EMPTY = hashlib.sha256(b"").hexdigest()
@@ -91,6 +92,15 @@ class Model:
 
     def paths(self) -> set[str]:
         return set(self.base) | set(self.inflight)
+
+
+def writer_model(baseline: dict[str, str], subdir: str, lines: Iterable[str]) -> Model:
+    """The model of the writer owning subdir: its paths as baseline has them,
+    then its journal lines in order."""
+    model = Model({p: s for p, s in baseline.items() if p.startswith(subdir + "/")})
+    for line in lines:
+        model.apply(line)
+    return model
 
 
 def short(state: str) -> str:

@@ -52,7 +52,7 @@ import pytest
 from ckptfs.packs import pack_name
 from ckptfs.proc import process_exited
 from mounting import Mount
-from journal_model import ABSENT, Model, check, short
+from journal_model import ABSENT, Model, check, short, writer_model
 from store_state import store_packs
 
 WRITER = Path(__file__).resolve().parent / "helpers" / "crash_writer.py"
@@ -74,6 +74,12 @@ def read_journal(path: Path) -> list[str]:
     text = path.read_text()
     lines = text.split("\n")
     return [ln for ln in lines[:-1] if ln.strip()]    # a line without "\n" never finished
+
+
+def journal_models(journals: dict[str, Path], baseline: dict[str, str]) -> dict[str, Model]:
+    """Each writer's model (subdir -> Model): its paths in baseline, then its journal."""
+    return {subdir: writer_model(baseline, subdir, read_journal(journal))
+            for subdir, journal in journals.items()}
 
 
 def observe(top: Path) -> dict[str, str]:
@@ -153,13 +159,8 @@ def crash_chain(make_mount, tmp_path: Path, seed: int, rounds: int, lazy: bool,
             stop_writers(procs)
             m.start()
             observed = observe(m.path)
-            models = {}
-            for subdir, journal in journals.items():
-                model = Model({p: s for p, s in baseline.items() if p.startswith(subdir + "/")})
-                for line in read_journal(journal):
-                    model.apply(line)
-                models[subdir] = model
-            check(models, observed, f"seed {seed} round {rnd} after SIGKILL")
+            check(journal_models(journals, baseline), observed,
+                  f"seed {seed} round {rnd} after SIGKILL")
             baseline = observed
             if tiering:
                 _wait_until(lambda: m.stat()["tier_leftover_packs"] == 0, 60,
@@ -265,13 +266,7 @@ def _check_round(m: Mount, journals: dict[str, Path], baseline: dict[str, str],
                  what: str) -> None:
     """After a remount: every path as its journal allows, and the mount's
     cleanup of what the interrupted pass left done (by itself)."""
-    models = {}
-    for subdir, journal in journals.items():
-        model = Model({p: s for p, s in baseline.items() if p.startswith(subdir + "/")})
-        for line in read_journal(journal):
-            model.apply(line)
-        models[subdir] = model
-    check(models, observe(m.path), what)
+    check(journal_models(journals, baseline), observe(m.path), what)
     _wait_until(lambda: m.stat()["tier_leftover_packs"] == 0, 60,
                 f"{what}: the leftovers were never removed")
 

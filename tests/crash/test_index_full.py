@@ -37,8 +37,8 @@ from ckptfs import index as ix
 from ckptfs.errors import IndexFull
 from ckptfs.index import Index
 from mounting import Mount, run_ckptfs
-from journal_model import Model, check
-from test_crash_kill import WRITER, observe, read_journal, stop_writers
+from journal_model import check, writer_model
+from test_crash_kill import WRITER, journal_models, observe, stop_writers
 
 MiB = 1 << 20
 
@@ -175,16 +175,8 @@ class Creator:
 def check_after_crash(m: Mount, journals: dict[str, Path], creator: Creator,
                       baseline: dict[str, str], what: str) -> dict[str, str]:
     observed = observe(m.path)
-    models = {}
-    for subdir, journal in journals.items():
-        model = Model({p: s for p, s in baseline.items() if p.startswith(subdir + "/")})
-        for line in read_journal(journal):
-            model.apply(line)
-        models[subdir] = model
-    model = Model({p: s for p, s in baseline.items() if p.startswith(creator.subdir + "/")})
-    for line in creator.lines:
-        model.apply(line)
-    models[creator.subdir] = model
+    models = journal_models(journals, baseline)
+    models[creator.subdir] = writer_model(baseline, creator.subdir, creator.lines)
     check(models, observed, what)
     for rel, sha in creator.committed.items():
         assert observed.get(rel) == sha, f"{what}: committed {rel} lost or changed"

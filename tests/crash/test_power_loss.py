@@ -47,7 +47,7 @@ from ckptfs.errors import DamagedData, NoSpace, NotFound
 from ckptfs.index import ROOT_INO, Index
 from faultlog import FaultLog, PowerCut
 from inproc import InProcess
-from journal_model import Model, check
+from journal_model import check, writer_model
 
 KiB, MiB = 1 << 10, 1 << 20
 LOG_BYTES = 32 * MiB
@@ -397,12 +397,7 @@ def power_cut_chain(source: Path, seed: int, rounds: int) -> None:
             raise
         boot.close()
         fates = boot.log.lose_unpersisted(rng)
-        models = {}
-        for t in tasks:
-            model = Model({p: s for p, s in baseline.items() if p.startswith(t.sub + "/")})
-            for line in t.journal:
-                model.apply(line)
-            models[t.sub] = model
+        models = {t.sub: writer_model(baseline, t.sub, t.journal) for t in tasks}
         if have_fsck():
             code, problems = fsck_findings(source)
             unexpected = [p for p in problems if not p.startswith("problem [orphans]")]
