@@ -216,13 +216,20 @@ class Mount:
         self.umount()
         self.start()
 
-    def kill(self) -> None:
-        """SIGKILL the daemon and detach the dead mount (a crash)."""
+    def kill(self, detach: bool = True) -> None:
+        """SIGKILL the daemon (a crash) and detach the dead mount. detach=False
+        leaves it attached, every call on it failing (ENOTCONN), until `detach`:
+        once detached, the path leads to the directory below the mount."""
         assert self.pid is not None, "not mounted by this Mount"
         os.kill(self.pid, signal.SIGKILL)
         wait_exit(self.pid, 10)
-        subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
         self.pid = None
+        if detach:
+            self.detach()
+
+    def detach(self) -> None:
+        """Lazy unmount of a dead mount (after `kill(detach=False)`)."""
+        subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
 
     def fsck(self, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
         """`ckptfs fsck SOURCE ARGS` of the unmounted filesystem; never raises on its exit."""

@@ -3,9 +3,10 @@
 Three writer processes (tests/crash/helpers/crash_writer.py) write checkpoint-like
 files into a real mount: new files, O_TRUNC rewrites, temp file + os.replace,
 fsync half way, unlinks. Each keeps a journal outside the mount. At a seeded
-random moment (0.2-3 s) the daemon is killed with SIGKILL (Mount.kill: kill -9
-and a lazy unmount), then the writers; the filesystem is mounted again and
-every path must be in a state its journal allows (`journal_model.Model`):
+random moment (0.2-3 s) the daemon is killed with SIGKILL, then the writers,
+then the dead mount is detached (`crash`: in that order, so that no writer
+writes into SOURCE below it); the filesystem is mounted again and every path
+must be in a state its journal allows (`journal_model.Model`):
 
 - last record "committed": exactly that content;
 - a write in flight ("begin" after the last "committed"): the previous
@@ -129,6 +130,23 @@ def stop_writers(procs: list[subprocess.Popen]) -> None:
         p.stderr.close()
 
 
+def crash(m: Mount, procs: list[subprocess.Popen]) -> None:
+    """The crash: SIGKILL the daemon, then the writers, then detach the dead mount.
+
+    In that order. While the dead mount is attached, every call a writer makes
+    there fails (ENOTCONN); once it is detached, the mount's path leads to the
+    directory below it (SOURCE itself: the tests mount it over itself). A
+    writer still running then (one that started late, under load) writes
+    there, where the next mount never looks, and its journal claims files the
+    mount does not have (seed 7 at load 9: a writer whose first step came
+    after the detach renamed its checkpoint into SOURCE/w0/c1.pt)."""
+    m.kill(detach=False)
+    stop_writers(procs)
+    m.detach()
+    below = sorted(set(os.listdir(m.path)) - {".ckptfs"})
+    assert not below, f"a writer wrote below the mount after the crash: {below}"
+
+
 def fsck_clean(m: Mount) -> None:
     if importlib.util.find_spec("ckptfs.fsck") is None:
         return      # fsck not written yet: the clean unmount is still checked
@@ -155,8 +173,7 @@ def crash_chain(make_mount, tmp_path: Path, seed: int, rounds: int, lazy: bool,
             died = [(p.returncode, p.stderr.read().decode(errors="replace"))
                     for p in procs if p.poll() is not None]
             assert not died, f"a writer failed before the crash: {died}"
-            m.kill()                      # the crash: SIGKILL + lazy unmount
-            stop_writers(procs)
+            crash(m, procs)
             m.start()
             observed = observe(m.path)
             check(journal_models(journals, baseline), observed,
@@ -237,7 +254,7 @@ def test_sigkill_at_tiering_pause_points(make_mount, tmp_path, monkeypatch):
             died = [(p.returncode, p.stderr.read().decode(errors="replace"))
                     for p in procs if p.poll() is not None]
             assert not died, f"round {rnd}: a writer failed before the crash: {died}"
-            m.kill()
+            crash(m, procs)
         finally:
             stop_writers(procs)
         named, intents, blobs, temps, dead = store_packs(m)
@@ -269,6 +286,64 @@ def _check_round(m: Mount, journals: dict[str, Path], baseline: dict[str, str],
     check(journal_models(journals, baseline), observe(m.path), what)
     _wait_until(lambda: m.stat()["tier_leftover_packs"] == 0, 60,
                 f"{what}: the leftovers were never removed")
+
+
+# Waits for the daemon (argv[1]) to die, then writes below argv[2] until killed:
+# a writer whose first step comes after the crash.
+LATE_WRITER = r"""
+import os, sys, time
+pid, top = sys.argv[1], sys.argv[2]
+def dead():
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+while not dead():
+    time.sleep(0.001)
+while True:
+    try:
+        os.makedirs(os.path.join(top, "late"), exist_ok=True)
+        with open(os.path.join(top, "late", "c1.pt"), "wb") as f:
+            f.write(b"written after the crash")
+    except OSError:
+        pass
+"""
+
+
+def test_crash_stops_the_writers_before_it_detaches_the_mount(make_mount, tmp_path,
+                                                              monkeypatch):
+    """Writers still running when the dead mount is detached write into the
+    directory below it (SOURCE), where the next mount never looks: seed 7
+    failed so at load 9 ("w0/c1.pt: holds absent", its rename and dirsync in
+    the journal, the file in SOURCE/w0/). `crash` kills every writer, even one
+    that starts only once the daemon is dead, before it detaches."""
+    rng = random.Random(12)
+    m: Mount = make_mount(options=[LOG_SIZE])
+    journals = {f"w{i}": tmp_path / f"journal-w{i}" for i in range(N_WRITERS)}
+    procs = start_writers(m, journals, rng, lazy=False)
+    procs.append(subprocess.Popen([sys.executable, "-c", LATE_WRITER, str(m.pid), str(m.path)],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE))
+    alive_at_detach: list[list[int]] = []
+    detach = Mount.detach
+
+    def watched_detach(self: Mount) -> None:
+        alive_at_detach.append([p.pid for p in procs if p.poll() is None])
+        detach(self)
+
+    monkeypatch.setattr(Mount, "detach", watched_detach)
+    try:
+        _wait_until(lambda: all(read_journal(j) for j in journals.values()), 60,
+                    "the writers never began")
+        crash(m, procs)
+    finally:
+        stop_writers([p for p in procs if p.returncode is None])
+    assert alive_at_detach == [[]], f"writers alive when the mount was detached: {alive_at_detach}"
+    m.start()
+    check(journal_models(journals, {}), observe(m.path), "after the crash")
+    m.umount()
+    fsck_clean(m)
 
 
 def test_lazy_clean_umount_keeps_every_close(make_mount, tmp_path):

@@ -38,7 +38,7 @@ from ckptfs.errors import IndexFull
 from ckptfs.index import Index
 from mounting import Mount, run_ckptfs
 from journal_model import check, writer_model
-from test_crash_kill import WRITER, journal_models, observe, stop_writers
+from test_crash_kill import WRITER, crash, journal_models, observe, stop_writers
 
 MiB = 1 << 20
 
@@ -238,8 +238,7 @@ def index_disk_fills(make_mount, tmp_path: Path, kind: str, size_mb: int,
             creator.until_enospc(failures=5)
             time.sleep(rng.uniform(0.2, 1.0))
             writers_alive(procs)
-            m.kill()
-            stop_writers(procs)
+            crash(m, procs)
             m.start()
             check_after_crash(m, journals, creator, {}, f"{kind}: after kill -9 on a full disk")
             assert not stat(m)["read_only"]
