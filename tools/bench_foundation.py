@@ -254,13 +254,56 @@ class RawTarget(Target):
             self.workdir = None
 
 
-class BindfsTarget(Target):
+class FuseChildTarget(Target):
+    """A FUSE daemon run in the foreground as our child (bindfs, minfs): its pid
+    is known, its stderr says why it failed to mount."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.proc: Optional[subprocess.Popen] = None
+
+    def _start_child(self, cmd: list[str], what: str, err_tail: Optional[int] = None) -> None:
+        """Run cmd, serving workdir; return once it is mounted (RuntimeError with
+        the last err_tail characters of its stderr if it exits first)."""
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+        self.pid = self.proc.pid
+        deadline = time.monotonic() + 30
+        while not is_mounted(self.workdir):
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace").strip()
+                raise RuntimeError(f"{what} exited {self.proc.returncode}: "
+                                   f"{err if err_tail is None else err[-err_tail:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not mount within 30 s")
+            time.sleep(0.02)
+
+    def _stop_child(self, fusermount: str) -> None:
+        """Unmount workdir and wait for the child to exit (stopped after 30 s)."""
+        if self.workdir is not None and is_mounted(self.workdir):
+            run([fusermount, "-u", str(self.workdir)])
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                stop_pid(self.proc.pid)
+            self.proc.stderr.close()
+            self.proc = None
+            self.pid = None
+
+    def cleanup(self) -> None:
+        if self.workdir is not None:
+            force_unmount(self.workdir)
+        if self.proc is not None:
+            stop_pid(self.proc.pid)
+
+
+class BindfsTarget(FuseChildTarget):
     name = "bindfs"
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
         self.src: Optional[Path] = None
-        self.proc: Optional[subprocess.Popen] = None
 
     def prepare(self, tag: str) -> Path:
         self.src = self.root / f"bindfs-src-{tag}"
@@ -273,31 +316,11 @@ class BindfsTarget(Target):
 
     def _mount(self) -> None:
         # -f keeps it a child whose pid we know; it stays multi-threaded as usual.
-        self.proc = subprocess.Popen(["bindfs", "-f", "-o", "big_writes", str(self.src),
-                                      str(self.workdir)], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True)
-        self.pid = self.proc.pid
-        deadline = time.monotonic() + 30
-        while not is_mounted(self.workdir):
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace").strip()
-                raise RuntimeError(f"bindfs exited {self.proc.returncode}: {err}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("bindfs did not mount within 30 s")
-            time.sleep(0.02)
+        self._start_child(["bindfs", "-f", "-o", "big_writes", str(self.src),
+                           str(self.workdir)], "bindfs")
 
     def _unmount(self) -> None:
-        if self.workdir is not None and is_mounted(self.workdir):
-            run(["fusermount", "-u", str(self.workdir)])
-        if self.proc is not None:
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                stop_pid(self.proc.pid)
-            self.proc.stderr.close()
-            self.proc = None
-            self.pid = None
+        self._stop_child("fusermount")
 
     def finish(self) -> None:
         self._unmount()
@@ -306,14 +329,8 @@ class BindfsTarget(Target):
                 shutil.rmtree(d, ignore_errors=True)
         self.workdir = self.src = None
 
-    def cleanup(self) -> None:
-        if self.workdir is not None:
-            force_unmount(self.workdir)
-        if self.proc is not None:
-            stop_pid(self.proc.pid)
 
-
-class MinfsTarget(Target):
+class MinfsTarget(FuseChildTarget):
     """The bare pyfuse3 daemon: a flat directory that forgets its files at unmount."""
 
     name = "minfs"
@@ -324,27 +341,16 @@ class MinfsTarget(Target):
         self.script = script
         self.store_size = store_size
         self.store: Optional[Path] = None
-        self.proc: Optional[subprocess.Popen] = None
 
     def prepare(self, tag: str) -> Path:
         self.workdir = self.root / f"minfs-mnt-{tag}"
         self.store = self.root / f"minfs-{tag}.store"
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.workdir.mkdir(parents=True)
-        self.proc = subprocess.Popen(
+        self._start_child(
             [sys.executable, str(self.script), str(self.workdir), "--store", str(self.store),
              "--store-size", self.store_size, "--writeback", "1", "--backend", "pwrite"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            start_new_session=True)
-        self.pid = self.proc.pid
-        deadline = time.monotonic() + 30
-        while not is_mounted(self.workdir):
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace").strip()
-                raise RuntimeError(f"minfs exited {self.proc.returncode}: {err[-500:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("minfs did not mount within 30 s")
-            time.sleep(0.02)
+            "minfs", err_tail=500)
         set_read_ahead(self.workdir, READ_AHEAD_KB)
         return self.workdir
 
@@ -354,28 +360,13 @@ class MinfsTarget(Target):
         drop_caches()
 
     def finish(self) -> None:
-        if self.workdir is not None and is_mounted(self.workdir):
-            run(["fusermount3", "-u", str(self.workdir)])
-        if self.proc is not None:
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                stop_pid(self.proc.pid)
-            self.proc.stderr.close()
-            self.proc = None
-            self.pid = None
+        self._stop_child("fusermount3")
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
         if self.store is not None:
             self.store.unlink(missing_ok=True)
             self.store = None
-
-    def cleanup(self) -> None:
-        if self.workdir is not None:
-            force_unmount(self.workdir)
-        if self.proc is not None:
-            stop_pid(self.proc.pid)
 
 
 def set_read_ahead(mountpoint: Path, kb: int) -> None:
