@@ -334,7 +334,15 @@ class Collector:
                     and end - start < packs.MAX_PACK_ENTRIES:
                 size += chunks[end].stored_length
                 end += 1
-            moved += await self.mover.repack(chunks[start:end])
+            try:
+                moved += await self.mover.repack(chunks[start:end])
+            except (Fenced, StoreAhead):
+                raise
+            except (CkptfsError, OSError) as e:
+                # A full or failing store: gc still deletes what it can (that
+                # is what a full store needs); the rest is repacked next time.
+                log.warning("gc could not repack (%s); the packs stay as they are", e)
+                break
             start = end
         if moved:
             log.info("gc rewrote %d chunks out of %d packs that should not stay for them",

@@ -488,6 +488,11 @@ class Mover:
                              "index is older than the store (restored from a copy?) or another "
                              "filesystem writes packs there; ckptfs fsck --repair raises its "
                              "counter")
+        room = self._room_blocking()
+        need = sum(c.stored_length + packs.ENTRY_BYTES for c in batch) + packs.FOOTER_BYTES
+        if room is not None and need > room:
+            raise BackingFull(f"{self.backend.url}: no space to repack ({need} bytes needed, "
+                              f"{room + STORE_MARGIN_BYTES} free, {STORE_MARGIN_BYTES} kept free)")
         writer = packs.PackWriter.create(self.backend, name)
         out: list[Optional[packs.PackEntry]] = []
         by_id: dict[bytes, packs.PackEntry] = {}

@@ -23,7 +23,9 @@ from ckptfs import packs
 from ckptfs.backing.local import LocalBackend
 
 from mounting import run_ckptfs
+from posix_helpers import pattern
 from test_s3 import bucket  # noqa: F401 - the fixture: a fresh bucket on the gateway
+from test_tier import tmpfs_store  # noqa: F401 - the fixture: a tmpfs as the store
 
 MiB = 1 << 20
 
@@ -269,6 +271,37 @@ def test_copies_packed_at_once_beside_chunks_of_their_own_become_one(make_mount,
     assert res.returncode == 0, res.stdout + res.stderr
     recover_and_check(tmp_path, make_mount, str(store), "nodeA",
                       {"frozen.bin": frozen, "trained.bin": own[a.path.name]})
+
+
+def test_gc_on_a_nearly_full_store_repacks_later_and_still_collects(make_mount, tmpfs_store):
+    """Repacking writes before it frees: on a store without room for it, gc
+    skips it (one warning) and still publishes and deletes what it can; with
+    room again, the next gc repacks the half-dead pack."""
+    store = tmpfs_store("24m")
+    m = make_mount(options=["pmem_size=256M", f"backing={store}/s"])
+    (m.path / "a.bin").write_bytes(pattern(5 * MiB, 1))   # random: nothing compresses
+    (m.path / "b.bin").write_bytes(pattern(3 * MiB, 2))
+    published(m)
+    assert len(list((store / "s" / "packs").rglob("*.pack"))) == 1, "a and b in one pack"
+    (m.path / "a.bin").unlink()                           # the pack is now 3/8 used
+    run_ckptfs("sync", str(m.path))
+    st = os.statvfs(store)
+    with open(store / "filler", "wb") as f:              # 1 MiB left: under the 2 MiB margin
+        f.truncate(st.f_bavail * st.f_frsize - MiB)
+        os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - MiB)
+    res = run_ckptfs("gc", str(m.path), check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "; 0 chunks rewritten" in res.stdout, res.stdout
+    (store / "filler").unlink()
+    res = run_ckptfs("gc", str(m.path), check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "; 0 chunks rewritten" not in res.stdout, res.stdout
+    assert store_bytes(store / "s") < 4 * MiB
+    m.remount()
+    assert (m.path / "b.bin").read_bytes() == pattern(3 * MiB, 2)
+    m.umount()
+    res = m.fsck()
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_an_owner_deleting_a_shared_pack_keeps_it_for_the_other(make_mount, tmp_path):
