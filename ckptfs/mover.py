@@ -35,6 +35,13 @@ collector (`on_unused_refs`), which drops the ref with the next head.
 gc has chunks the collector chooses rewritten as stored into a new pack
 (`repack`).
 
+Publishing also packs the files adopted from SOURCE (`pack_source`): the
+original's bytes, read beneath SOURCE with no symlink followed and only from
+the file adopted (`sources.SourceFiles`), cut into chunks as writes are
+(content-defined), packed the same way; `flip_source` then points the
+file's extents at those chunks, so the adopted file lives in the store from
+then on (its original goes once that is durable and no read uses it).
+
 A write that fails after its intent was durable leaves the pack's fate
 unknown: the collector is told (`failed_write`) and cleans up. The mover may
 not delete anything from the store (making a ref, or deleting the one it
@@ -62,16 +69,17 @@ from . import codec
 from . import index as ix
 from . import packs
 from .backing.base import Backend
-from .chunker import chunk_id
+from .chunker import Chunker, chunk_id
 from .debugpause import pause_blocking, pausing_at
 from .errors import (BackingFull, BlobDamaged, BlobMissing, CkptfsError, DamagedData, Fenced,
                      StoreAhead)
-from .index import CHUNK_LOG, CHUNK_PACK, Chunk, Index
+from .index import CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, Chunk, Extent, Index
 from .pmemlog import PmemLog
 from .reclaim import Reclaimer
 
 if TYPE_CHECKING:
     from .chunkindex import SharedChunks
+    from .sources import SourceFiles
 
 log = logging.getLogger("ckptfs.tier")
 
@@ -79,6 +87,7 @@ log = logging.getLogger("ckptfs.tier")
 # directories, snapshots, other writers. A store with less free space than a
 # pack takes smaller packs; one with less than this margin, none (BackingFull).
 STORE_MARGIN_BYTES = 2 << 20
+SOURCE_READ_BYTES = 1 << 20        # an adopted original is read this much at a time
 
 # Before a pack is written, other volumes' chunk indexes are looked at again if
 # the last look is older than this (one listing): chunks another node stored
@@ -265,6 +274,167 @@ class Mover:
         moved = self._flip(pack_no, size, batch, entries, copy)   # names it, clears the intent
         self.writing.discard(pack_no)
         return len(entries), moved
+
+    async def pack_source(self, sources: "SourceFiles", chunk: Chunk, start: int,
+                          pack_bytes: int) -> tuple[int, int, int, list[tuple[int, packs.PackEntry]]]:
+        """Publishing an adopted file: its original's bytes from `start` on, cut
+        into content-defined chunks, about pack_bytes of them into one pack
+        (the same intent and leftovers as a move). Returns (pack number, pack
+        size, where the packed bytes end in the original, [(offset in the
+        original, entry)]); `flip_source` names them. DamagedData (SourceRefused
+        included) when the original cannot be read as the file adopted."""
+        if self.fenced is not None:
+            raise Fenced(self.fenced)
+        self.fence.check("no pack is written: ")
+        pack_no = self.index.allocate_id(b"next_pack")
+        self.writing.add(pack_no)
+        started = False
+        try:
+            ix.put_pack_intent(self.index, pack_no, time.time_ns())
+            await self.index.wait_durable(self.index.current_seq())
+            started = True
+            pieces, end, size = await self._thread.run(self._pack_source_blocking, pack_no,
+                                                       sources, chunk, start, pack_bytes)
+        except StoreAhead as e:
+            self.fence.close(e)
+            self.writing.discard(pack_no)
+            if self.index.failure is None:
+                ix.delete_pack_intent(self.index, pack_no)
+            raise
+        except BaseException:
+            self.writing.discard(pack_no)
+            if started:
+                self._failed_write.set()
+            elif self.index.failure is None:
+                ix.delete_pack_intent(self.index, pack_no)
+            raise
+        self.copy_packs_written += 1
+        return pack_no, size, end, pieces
+
+    def _pack_source_blocking(self, pack_no: int, sources: "SourceFiles", chunk: Chunk,
+                              start: int, pack_bytes: int
+                              ) -> tuple[list[tuple[int, packs.PackEntry]], int, int]:
+        """Read, cut, compress and pack the original from `start`; commit the
+        pack. Returns the pieces, where they end, and the pack's size. May block."""
+        name = packs.pack_name(pack_no)
+        try:
+            self.backend.size(name)
+        except BlobMissing:
+            pass
+        else:
+            raise StoreAhead(f"{self.backend.url}: {name} is in the store already: this "
+                             "index is older than the store (restored from a copy?) or another "
+                             "filesystem writes packs there; ckptfs fsck --repair raises its "
+                             "counter")
+        room = self._room_blocking()
+        writer = packs.PackWriter.create(self.backend, name)
+        chunker = Chunker()
+        pending = bytearray()           # read, not cut yet; pending[0] is at `cut`
+        cut = off = start
+        pieces: list[tuple[int, packs.PackEntry]] = []
+        by_id: dict[bytes, packs.PackEntry] = {}
+        try:
+            while off < chunk.length and writer.payload_bytes < pack_bytes:
+                buf = memoryview(bytearray(min(SOURCE_READ_BYTES, chunk.length - off)))
+                sources.read_into(buf, chunk, off)
+                off += len(buf)
+                pending += buf
+                cuts = chunker.feed(buf)
+                if off >= chunk.length:
+                    cuts += chunker.finish()
+                used = 0
+                for c_off, c_len in cuts:
+                    data = memoryview(pending)[start + c_off - cut:start + c_off - cut + c_len]
+                    cid = chunk_id(data)
+                    if cid not in by_id:
+                        enc = codec.encode_chunk(data)
+                        if room is not None and _pack_size(writer, len(enc.payload)) > room:
+                            if not writer.entries:
+                                raise BackingFull(f"{self.backend.url}: no space for another "
+                                                  f"pack ({room + STORE_MARGIN_BYTES} bytes "
+                                                  f"free, {STORE_MARGIN_BYTES} kept free)")
+                            data.release()
+                            off = chunk.length          # the pack ends here
+                            break
+                        by_id[cid] = writer.add(cid, enc.codec, enc.param, enc.payload, c_len)
+                    data.release()
+                    pieces.append((start + c_off, by_id[cid]))
+                    used = start + c_off + c_len - cut
+                del pending[:used]
+                cut += used
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        if self.shared is not None:
+            self.shared.written(pack_no, writer.entries)   # its index object goes with the head
+        return pieces, cut, writer.bytes_written
+
+    def flip_source(self, pack_no: int, size: int, chunk: Chunk, ino: int, start: int,
+                    end: int, pieces: list[tuple[int, packs.PackEntry]]) -> int:
+        """Point the parts of `ino`'s extents that still name the adopted
+        chunk's bytes [start, end) at the packed pieces (a piece whose id is
+        stored already names that chunk); the chunk's references drop with
+        them (its original goes once none is left: `Reclaimer`). Records the
+        pack and clears its intent, all in the open batch. Returns the bytes
+        that now live in the store."""
+        ix.put_pack(self.index, ix.PackInfo(pack_no, 0, 0, size))
+        ix.delete_pack_intent(self.index, pack_no)
+        self.writing.discard(pack_no)
+        cur = ix.get_chunk(self.index, chunk.chunk_no)
+        if cur is None or cur.kind != CHUNK_SOURCE:
+            return 0                    # gone meanwhile: the pack holds nothing live
+        piece_nos: dict[int, int] = {}  # offset in the original -> chunk number
+        refs: dict[int, int] = {}
+        moved = 0
+        for e in list(ix.iter_extents(self.index, ino)):
+            if e.chunk_no != chunk.chunk_no:
+                continue
+            lo, hi = max(e.chunk_off, start), min(e.chunk_off + e.length, end)
+            if lo >= hi:
+                continue
+            ix.delete_extent(self.index, ino, e.file_off)
+            kept = 0
+            if e.chunk_off < lo:
+                ix.put_extent(self.index, ino, Extent(e.file_off, lo - e.chunk_off,
+                                                      e.chunk_no, e.chunk_off))
+                kept += 1
+            if e.chunk_off + e.length > hi:
+                ix.put_extent(self.index, ino, Extent(e.file_off + hi - e.chunk_off,
+                                                      e.chunk_off + e.length - hi,
+                                                      e.chunk_no, hi))
+                kept += 1
+            for p_off, entry in pieces:
+                a, b = max(p_off, lo), min(p_off + entry.length, hi)
+                if a >= b:
+                    continue
+                no = piece_nos.get(p_off)
+                if no is None:
+                    no = piece_nos[p_off] = self._piece_chunk(pack_no, entry)
+                ix.put_extent(self.index, ino, Extent(e.file_off + a - e.chunk_off, b - a,
+                                                      no, a - p_off))
+                refs[no] = refs.get(no, 0) + 1
+                moved += b - a
+            self.reclaimer.add_refs(chunk.chunk_no, kept - 1)
+        for no, n in refs.items():
+            self.reclaimer.add_refs(no, n)
+        self.copied_bytes += moved
+        return moved
+
+    def _piece_chunk(self, pack_no: int, entry: packs.PackEntry) -> int:
+        """The chunk a packed piece of an original is: one stored already with
+        its id, else a new PACK chunk at its entry (references added by the
+        caller)."""
+        known = ix.find_chunk_no(self.index, entry.chunk_id)
+        if known is not None:
+            return known
+        no = self.index.allocate_id(b"next_chunk")
+        ix.add_chunk(self.index, Chunk(no, CHUNK_PACK, 0, entry.length, pack_no=pack_no,
+                                       pack_off=entry.offset, stored_length=entry.stored_length,
+                                       codec=entry.codec, codec_param=entry.param,
+                                       payload_crc=entry.crc, chunk_id=entry.chunk_id))
+        ix.name_chunk(self.index, entry.chunk_id, no)
+        return no
 
     def _room_blocking(self) -> Optional[int]:
         """Bytes the next pack may take: the store's free space less a margin

@@ -43,6 +43,22 @@ do: its error is stale (the store answered since it began) and is not
 recorded; a covering head of the state a failed round began at clears the
 error it recorded.
 
+Files adopted from SOURCE (there before the first mount) have no log
+chunks: their bytes are in the original files, which die with the node too.
+Each round also packs up to SOURCE_BYTES_PER_ROUND of them after the
+copies (`Tierer.pack_source`: read beneath SOURCE with no symlink followed,
+only from the file adopted; cut into chunks as writes are), and points the
+files' extents at those chunks (`flip_source`): an adopted file then lives
+in the store (its original is deleted; reads go through the cold cache).
+Which files: found once per mount (a scan of the durable index on a worker
+thread) when the index holds any. A file open meanwhile needs no care: its
+reads find the original until they end, and an uncommitted overwrite
+commits over whichever extents are committed then (a chunk it still names
+is kept as a pinned zombie, `Reclaimer`). Until every one is packed, no
+head covers its state (an original that
+cannot be read as the file adopted counts as uncopyable, like a damaged log
+chunk, and is logged).
+
 Fenced (another node took the volume over): the loop stops for good, and
 the index turns read-only with the reason (`Index.fence`). The loop also
 looks for that every FENCE_POLL_S while idle, so a node that comes back
@@ -64,8 +80,8 @@ import trio
 from . import index as ix
 from . import packs
 from .debugpause import pause, pausing_at
-from .errors import CkptfsError, Fenced, OperationFailed
-from .index import CHUNK_LOG, Chunk, Index
+from .errors import CkptfsError, DamagedData, Fenced, OperationFailed
+from .index import CHUNK_LOG, CHUNK_SOURCE, Chunk, Index
 from .snapshots import Publisher
 
 if TYPE_CHECKING:
@@ -78,6 +94,7 @@ FENCE_POLL_S = 30.0             # an idle loop checks its lease this often
 COALESCE_S = 1.0                # lag entries closer than this are one (bounded memory)
 BACKOFF_MAX_S = 60.0
 SCAN_CHUNKS = 65536             # unpublished chunks looked at per scan
+SOURCE_PACKS_PER_ROUND = 4      # adopted files' bytes packed per round, in packs
 
 
 class Lag:
@@ -150,6 +167,13 @@ class PublishLoop:
         self._uncopyable: frozenset[int] = frozenset()
         self._round_begun_seq = 0          # what the round under way must publish
         self._error_begun_seq = 0          # ... and what the one that failed had to
+        # Adopted files still to pack: [chunk number, inode, next offset]; None
+        # until looked for.
+        self._sources: Optional[list[list[int]]] = None
+        # Heads cover their state only from this durable state on (every
+        # adopted file packed, or found unreadable); 0: the index holds none.
+        self._sources_done_seq = 0 if index.counters[b"stored_source_bytes"] == 0 \
+            else float("inf")
         self.fenced: Optional[str] = None
         self._wake = trio.Event()
         self._urgent = False
@@ -177,7 +201,8 @@ class PublishLoop:
         covers its state if that lists nothing to copy but what cannot be."""
         last = self.publisher.last
         if last is None or last.unpublished is None \
-                or not last.unpublished <= self._uncopyable:
+                or not last.unpublished <= self._uncopyable \
+                or state_seq < self._sources_done_seq:
             return
         if state_seq <= self.covered_seq:
             return
@@ -212,7 +237,8 @@ class PublishLoop:
         # Every chunk to copy came with a durable batch, which the lag counts
         # until a head describes it (chunks whose log bytes are damaged stay
         # in the backlog, but start no rounds of their own).
-        return self.index.durable_seq > self.covered_seq or self.lag.age_s() > 0
+        return self.index.durable_seq > self.covered_seq or self.lag.age_s() > 0 \
+            or bool(self._sources)
 
     async def _loop(self) -> None:
         while self.fenced is None:
@@ -294,8 +320,12 @@ class PublishLoop:
                     if cur is not None and cur.kind == CHUNK_LOG and not cur.copied \
                             and cur.log_off == chunk.log_off:
                         uncopyable.add(chunk.chunk_no)      # its log bytes are damaged
+            await self._pack_sources()
             await self.index.wait_durable(self.index.current_seq())
             self._uncopyable = frozenset(uncopyable)
+            if self._sources == [] and self._sources_done_seq == float("inf"):
+                self._sources_done_seq = self.index.durable_seq
+                log.info("every file adopted from SOURCE is in the store")
         self.state = "publishing"
         await tierer.publish()
         self._last_fence_check = time.monotonic()
@@ -303,6 +333,50 @@ class PublishLoop:
         # (what it listed turned out uncopyable).
         if self.publisher.published_seq >= 0:
             self._head_published(self.publisher.published_seq)
+
+    async def _pack_sources(self) -> None:
+        """Pack up to SOURCE_PACKS_PER_ROUND packs of adopted files' bytes and
+        point their extents there (module docstring). The caller holds the
+        publish lock."""
+        if self._sources_done_seq != float("inf"):
+            return
+        if self._sources is None:
+            self._sources = await trio.to_thread.run_sync(self._find_sources_blocking)
+            log.info("%d files adopted from SOURCE are to be packed into the store",
+                     len(self._sources))
+        packs_left = SOURCE_PACKS_PER_ROUND
+        while self._sources and packs_left > 0:
+            item = self._sources[0]
+            chunk_no, ino, start = item
+            chunk = ix.get_chunk(self.index, chunk_no)
+            if chunk is None or chunk.kind != CHUNK_SOURCE or start >= chunk.length:
+                self._sources.pop(0)        # overwritten or deleted meanwhile, or done
+                continue
+            try:
+                pack_no, size, end, pieces = await self.tierer.pack_source(
+                    chunk, start, self.pack_bytes)
+            except DamagedData as e:
+                log.error("file adopted from SOURCE not published: %s", e)
+                self._sources.pop(0)        # uncopyable: like a damaged log chunk
+                continue
+            packs_left -= 1
+            self.stats_.packs_written += 1
+            self.stats_.copied_bytes += self.tierer.flip_source(pack_no, size, chunk, ino,
+                                                                start, end, pieces)
+            item[2] = end
+
+    def _find_sources_blocking(self) -> list[list[int]]:
+        """[chunk number, inode, 0] of every adopted file in the durable index.
+        May block (two scans)."""
+        with self.index.read_view() as view:
+            adopted = {c.chunk_no for c in ix.scan_chunks(view, damaged=lambda why: None)
+                       if c.kind == CHUNK_SOURCE}
+            found: dict[int, int] = {}
+            if adopted:
+                for ino, e in ix.scan_extents(view, damaged=lambda why: None):
+                    if e.chunk_no in adopted:
+                        found.setdefault(e.chunk_no, ino)
+        return [[no, ino, 0] for no, ino in sorted(found.items())]
 
     def _next_batch(self, chunks: list[Chunk], start: int) -> list[Chunk]:
         """About pack_bytes of chunks for the next pack (the writer may take

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Optional
+from typing import Callable, Optional
 
 from . import index as ix
 from .errors import DamagedData
@@ -48,7 +48,7 @@ class Reclaimer:
         # run waits for every read that started before it was freed.
         self._epoch = 0
         self._reads: Counter = Counter()
-        self._freed_during_reads: list[tuple[int, int, int]] = []
+        self._freed_during_reads: list[tuple[int, Callable[[], None]]] = []
 
     def chunk(self, chunk_no: int) -> Chunk:
         """The chunk an extent names: in the index, or a zombie an overlay keeps."""
@@ -109,7 +109,10 @@ class Reclaimer:
                 return
             self.release_after_durable(chunk.log_off, chunk.length)
         elif chunk.kind == CHUNK_SOURCE:
-            self.index.after_durable(lambda: self.sources.remove(chunk))
+            # After reads that may have planned with it (publishing moves a
+            # file being read into the store: those reads still find it).
+            self.index.after_durable(
+                lambda: self._after_reads(lambda: self.sources.remove(chunk)))
 
     # ------------------------------------------------------ log space
 
@@ -125,17 +128,20 @@ class Reclaimer:
         oldest: Optional[int] = min(self._reads, default=None)
         while self._freed_during_reads and (oldest is None
                                             or self._freed_during_reads[0][0] < oldest):
-            _, off, length = self._freed_during_reads.pop(0)
-            self.log.release(off, length)
+            _, release = self._freed_during_reads.pop(0)
+            release()
 
     def release_after_durable(self, off: int, length: int) -> None:
         """Committed space the open batch stops naming: reusable once that batch is
         durable and no read that may have planned with it is still running."""
-        self.index.after_durable(lambda: self._release_after_reads(off, length))
+        self.index.after_durable(lambda: self._after_reads(
+            lambda: self.log.release(off, length)))
 
-    def _release_after_reads(self, off: int, length: int) -> None:
+    def _after_reads(self, release: Callable[[], None]) -> None:
+        """Run release now if no read is in flight, else once every read that
+        started before now has ended."""
         if not self._reads:
-            self.log.release(off, length)
+            release()
             return
-        self._freed_during_reads.append((self._epoch, off, length))
+        self._freed_during_reads.append((self._epoch, release))
         self._epoch += 1

@@ -312,6 +312,15 @@ class Tierer:
         """Publishing's copies (`Mover.copy_batch`); the caller holds the publish lock."""
         return await self.mover.copy_batch(batch)
 
+    async def pack_source(self, chunk: Chunk, start: int, pack_bytes: int):
+        """Publishing an adopted file's bytes (`Mover.pack_source`); the caller
+        holds the publish lock and flips with `flip_source`."""
+        return await self.mover.pack_source(self.reclaimer.sources, chunk, start, pack_bytes)
+
+    def flip_source(self, *args) -> int:
+        """`Mover.flip_source`."""
+        return self.mover.flip_source(*args)
+
     async def gc(self) -> dict[str, int]:
         """`ckptfs gc` (`Collector.gc`), with no pass running meanwhile."""
         async with self._busy:

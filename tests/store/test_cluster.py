@@ -29,7 +29,7 @@ from mounting import MOUNT_HELPER, is_mounted, run_ckptfs
 from posix_helpers import read_file, write_file
 from test_backing import s3_client
 from test_s3 import aws_env
-from test_tier import verify, write_version
+from test_tier import floats, verify, write_version
 
 MiB = 1 << 20
 DELAY_S = 2.0                       # publish_delay of these tests
@@ -295,6 +295,118 @@ def test_a_head_of_gc_does_not_count_as_published(make_mount, dir_store, monkeyp
     assert recover(b, dir_store, "a").returncode == 0
     b.start([f"backing={dir_store.location}", "volume=a", "publish_delay=off"])
     verify(b.path, second)
+
+
+def test_files_adopted_from_source_are_published_and_restored_elsewhere(make_mount, store,
+                                                                         tmp_path):
+    """A node mounted with a store over a directory that already holds
+    checkpoints: those files (adopted, read in place until now) are packed
+    into the store too, read beneath SOURCE as the file adopted; `sync
+    --published` waits for them, and after the node is gone `ckptfs recover`
+    on another SOURCE gives them back byte-exact, with what was written
+    through the mount."""
+    src = tmp_path / "ckpt0"
+    (src / "old" / "deep").mkdir(parents=True)
+    adopted = {"old/model.bin": floats(5 * MiB + 12345, 7),     # several packs' worth of cuts
+               "old/deep/optim.bin": floats(700 * 1024, 8),
+               "old/meta.json": b'{"step": 0}', "top.bin": os.urandom(300 * 1024)}
+    for rel, data in adopted.items():
+        (src / rel).write_bytes(data)
+    os.link(src / "old" / "meta.json", src / "old" / "meta-link.json")
+    os.symlink("deep/optim.bin", src / "old" / "optim-link")
+    a = make_mount(options=["pmem_size=128M", f"backing={store.location}", "volume=a",
+                            f"publish_delay={DELAY_S:g}"], source=src)
+    new = write_version(a.path, 1, size=MiB)
+    assert sync_published(a).returncode == 0
+    st = a.stat()
+    assert st["publish_lag_s"] == 0 and st["publish_backlog_bytes"] == 0, st
+    assert st["publish_last_error"] is None, st
+    verify(a.path, adopted)             # now read from the store, the same bytes
+    a.remount()
+    verify(a.path, {**adopted, **new})
+    a.umount()
+    res = a.fsck()
+    assert res.returncode == 0, res.stdout + res.stderr
+    shutil.rmtree(a.source)                 # the node is gone, with SOURCE's disk
+    b = make_mount(options=["pmem_size=128M"], start=False)
+    res = recover(b, store, "a")
+    assert res.returncode == 0, res.stdout + res.stderr
+    b.start([f"backing={store.location}", "volume=a", "publish_delay=off"])
+    verify(b.path, {**adopted, **new})
+    assert read_file(b.path / "old" / "meta-link.json") == adopted["old/meta.json"]
+    assert os.stat(b.path / "old" / "meta-link.json").st_ino == \
+        os.stat(b.path / "old" / "meta.json").st_ino
+    assert os.readlink(b.path / "old" / "optim-link") == "deep/optim.bin"
+
+
+def test_an_adopted_file_open_while_it_is_packed_keeps_its_changes(make_mount, dir_store,
+                                                                  tmp_path):
+    """An adopted file open for reading and another with uncommitted changes
+    while publishing packs them: the reader reads the same bytes throughout,
+    the writer's change commits over the packed extents, and the result is
+    what recover elsewhere restores."""
+    src = tmp_path / "ckpt0"
+    src.mkdir()
+    data = floats(3 * MiB, 11)
+    (src / "read.bin").write_bytes(data)
+    (src / "write.bin").write_bytes(data)
+    a = make_mount(options=["pmem_size=128M", f"backing={dir_store.location}", "volume=a"],
+                   source=src, start=False)
+    a.start(["publish_delay=off"])      # adopted, not published yet
+    a.umount()
+    a.start([f"publish_delay={DELAY_S:g}"])
+    with open(a.path / "read.bin", "rb") as r, open(a.path / "write.bin", "r+b") as w:
+        assert r.read(MiB) == data[:MiB]
+        w.seek(MiB + 100)
+        w.write(b"changed while packed")
+        w.flush()                       # to the daemon, not committed: still open
+        wait_for(lambda: a.stat()["source_bytes"] == 0, 120, "the adopted files packed")
+        assert r.read() == data[MiB:]
+    changed = data[:MiB + 100] + b"changed while packed" + data[MiB + 120:]
+    assert read_file(a.path / "write.bin") == changed
+    assert sync_published(a).returncode == 0
+    a.remount()
+    verify(a.path, {"read.bin": data, "write.bin": changed})
+    gone(a)
+    b = make_mount(options=["pmem_size=128M"], start=False)
+    res = recover(b, dir_store, "a")
+    assert res.returncode == 0, res.stdout + res.stderr
+    b.start([f"backing={dir_store.location}", "volume=a", "publish_delay=off"])
+    verify(b.path, {"read.bin": data, "write.bin": changed})
+
+
+def test_an_adopted_file_reached_through_a_symlink_is_not_read(make_mount, dir_store,
+                                                               tmp_path):
+    """Publishing reads an original only beneath SOURCE with no symlink on the
+    way: a directory swapped for a symlink (to a file only root should read)
+    before the mount is refused, logged, and never copied to the store; the
+    other adopted files are published."""
+    src = tmp_path / "ckpt0"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f.bin").write_bytes(b"adopted" * 1000)
+    (src / "ok.bin").write_bytes(b"fine" * 1000)
+    a = make_mount(options=["pmem_size=128M", f"backing={dir_store.location}", "volume=a"],
+                   source=src, start=False)
+    a.start(["publish_delay=off"])      # adopted, not published yet
+    a.umount()
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    secret_bytes = os.urandom(7000)     # incompressible: a pack would hold it as it is
+    (secret / "f.bin").write_bytes(secret_bytes)
+    os.rename(src / "d", tmp_path / "d-moved")
+    os.symlink(secret, src / "d")
+    a.start([f"publish_delay={DELAY_S:g}"])
+    assert sync_published(a).returncode == 0
+    assert read_file(a.path / "ok.bin") == b"fine" * 1000
+    for path in dir_store.root.rglob("*"):
+        if path.is_file():
+            assert secret_bytes[1000:1100] not in path.read_bytes(), path
+    gone(a)
+    b = make_mount(options=["pmem_size=128M"], start=False)
+    res = recover(b, dir_store, "a")
+    assert res.returncode == 4 and "d/f.bin" in res.stdout, res.stdout + res.stderr
+    b.start([f"backing={dir_store.location}", "volume=a", "publish_delay=off"])
+    assert read_file(b.path / "ok.bin") == b"fine" * 1000
 
 
 # ------------------------------------------------------- restore on another node
