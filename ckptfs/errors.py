@@ -112,6 +112,14 @@ class ReadOnly(CkptfsError):
     errno = errno.EROFS
 
 
+class NameReplaced(CkptfsError):
+    """The name opened now leads to another file (the peer view: an own file
+    made to replace a peer's at open with O_TRUNC). ESTALE: the kernel looks
+    the name up again, once, and opens what it leads to now."""
+
+    errno = errno.ESTALE
+
+
 class DamagedData(CkptfsError):
     """Stored bytes failed their checksum: never hand them out."""
 

@@ -16,6 +16,10 @@ cluster"):
   an own one: in a directory only the peers have, its path is made as own
   directories first (with the peer directories' modes and owners), and it
   then hides any peer name it shares;
+- opening a peer's file for writing with O_TRUNC (`open(path, "w")`, which
+  discards its content anyway) makes an own empty file there (the peer
+  file's mode and owner) that hides it, as a rename onto it would, and
+  answers ESTALE: the kernel looks the name up again and opens the own file;
 - peers' names and attributes are cached by the kernel for `peer_refresh`
   seconds, and so are failed lookups in merged directories.
 
@@ -38,8 +42,8 @@ from typing import Iterator, Optional
 import trio
 
 from .core import Attrs, Filesystem
-from .errors import (BadFileHandle, CkptfsError, InvalidArgument, NotADirectory, NotFound,
-                     NoXattr, ReadOnly)
+from .errors import (BadFileHandle, CkptfsError, InvalidArgument, NameReplaced, NotADirectory,
+                     NotFound, NoXattr, ReadOnly)
 from .index import ROOT_INO, Inode
 from .peerview import Path, PeerView, VNode
 
@@ -140,6 +144,10 @@ class MergedFilesystem:
         own, path = self._own_parent(parent)
         if own is not None:
             return own
+        return self._writable_dir_at(path)
+
+    def _writable_dir_at(self, path: Path) -> int:
+        """The own directory at path, made (as `_writable_dir`) if missing."""
         ino = ROOT_INO
         for i, name in enumerate(path):
             try:
@@ -327,11 +335,27 @@ class MergedFilesystem:
         if node is None:
             raise InvalidArgument("a directory is not opened as a file")
         if flags & _WRITE_FLAGS:
+            if flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY \
+                    and node.kind == "f" and path:
+                self._replace_peer_file(path, node)
             raise _read_only(path)
         fh = self._next_fh
         self._next_fh += 1
         self._handles[fh] = node
         return fh
+
+    def _replace_peer_file(self, path: Path, node: VNode) -> None:
+        """open(path, "w") over a name only a peer has: an own empty file there
+        (the peer file's mode and owner: it was opened as that file) hides
+        the peer's, as a rename onto it would. NameReplaced (ESTALE): the
+        kernel then looks the name up again and opens the own file."""
+        parent = self._writable_dir_at(path[:-1])
+        if not self._has_own(parent, path[-1]):
+            a = node.attrs
+            made = self.fs.make_node(parent, path[-1], stat.S_IFREG | stat.S_IMODE(a.mode),
+                                     a.uid, a.gid)
+            self.fs.forget(made.inode.ino, 1)       # the kernel holds the peer's inode
+        raise NameReplaced(f"{b'/'.join(path)!r} is now this node's own file")
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         if fh < VIEW_FH_BASE:

@@ -14,6 +14,7 @@ import errno
 import hashlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -108,7 +109,7 @@ def test_peer_files_are_read_only_and_own_names_win(two_nodes):
     published(a)
     assert wait_for(lambda: (b.path / "d/f").exists())
     f = b.path / "d/f"
-    for call in (lambda: open(f, "wb"), lambda: open(f, "r+b"), lambda: os.truncate(f, 0),
+    for call in (lambda: open(f, "r+b"), lambda: open(f, "ab"), lambda: os.truncate(f, 0),
                  lambda: os.chmod(f, 0o600), lambda: os.unlink(f),
                  lambda: os.rename(f, b.path / "d/g"), lambda: os.rmdir(b.path / "d"),
                  lambda: os.setxattr(f, "user.x", b"1")):
@@ -132,6 +133,39 @@ def test_peer_files_are_read_only_and_own_names_win(two_nodes):
     b.remount()
     assert (b.path / "d/mine").read_bytes() == b"B's new file"
     assert wait_for(lambda: sorted(os.listdir(b.path / "d")) == ["both", "f", "mine", "sub"])
+
+
+def test_open_with_truncation_over_a_peer_name_makes_an_own_file(two_nodes):
+    """`open(path, "w")` over a name only a peer has (torch.save over a peer's
+    checkpoint) makes this node's own file, which hides the peer's, as a
+    rename onto it does; the peer's file is untouched, opening it for
+    writing without O_TRUNC is still EROFS, and removing the own file shows
+    the peer's again."""
+    a, b = two_nodes
+    (a.path / "d").mkdir()
+    (a.path / "d/f").write_bytes(b"A's f" * 1000)
+    (a.path / "top").write_bytes(b"A's top")
+    os.chmod(a.path / "d/f", 0o640)
+    published(a)
+    assert wait_for(lambda: (b.path / "d/f").exists() and (b.path / "top").exists())
+    with pytest.raises(OSError) as e:
+        open(b.path / "d/f", "r+b")
+    assert e.value.errno == errno.EROFS
+    with open(b.path / "d/f", "wb") as fh:      # O_WRONLY|O_CREAT|O_TRUNC
+        fh.write(b"B's f")
+    fd = os.open(b.path / "top", os.O_RDWR | os.O_TRUNC)     # no O_CREAT: the same
+    os.write(fd, b"B's top")
+    os.close(fd)
+    assert (b.path / "d/f").read_bytes() == b"B's f"
+    assert (b.path / "top").read_bytes() == b"B's top"
+    st = os.stat(b.path / "d/f")
+    assert st.st_size == 5 and stat.S_IMODE(st.st_mode) == 0o640, st
+    assert sorted(os.listdir(b.path / "d")) == ["f"]
+    assert (a.path / "d/f").read_bytes() == b"A's f" * 1000     # the peer's is untouched
+    b.remount()                                               # B's own, durable
+    assert (b.path / "d/f").read_bytes() == b"B's f"
+    os.unlink(b.path / "d/f")                                 # B's own goes, A's shows
+    assert wait_for(lambda: (b.path / "d/f").read_bytes() == b"A's f" * 1000)
 
 
 def test_newer_versions_and_deletions_follow_the_peer(two_nodes):
