@@ -10,13 +10,11 @@ number and, when loading, checks every shard bit for bit against it.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from compat_util import HELPERS, sha256_file
+from compat_util import run_dcp_ranks, sha256_file
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -25,27 +23,6 @@ PMEM_SIZE = "256M"         # the log of each test's mount (compat/conftest.py)
 
 WORLD = 2
 HAS_ASYNC = hasattr(dcp, "async_save")
-
-
-def run_ranks(tmp_path: Path, *ops: str, timeout: float = 180) -> None:
-    """Run WORLD ranks doing ops ("mode:dir:step") in order; all must exit 0."""
-    init = tmp_path / f"init-{os.urandom(4).hex()}"
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(HELPERS / "compat_dcp_worker.py"), str(init),
-                               str(rank), str(WORLD), *ops],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for rank in range(WORLD)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {rank} failed running {ops}:\n{out[-4000:]}"
 
 
 def shas(d: Path) -> dict[str, str]:
@@ -57,7 +34,8 @@ def test_dcp_save_async_save_overwrite_load(mounted, fsck_clean, tmp_path):
     second = "async_save" if HAS_ASYNC else "save"
     # a: one save. b: saved at step 2, then saved over at step 3 (DCP removes the
     # old .metadata and renames .metadata.tmp in). Loading a verifies before the remount.
-    run_ranks(tmp_path, f"save:{a}:1", f"save:{b}:2", f"{second}:{b}:3", f"load:{a}:1")
+    run_dcp_ranks(tmp_path, f"save:{a}:1", f"save:{b}:2", f"{second}:{b}:3", f"load:{a}:1",
+                  world=WORLD, timeout=180)
     # thread_count=2: each rank writes two shard files.
     expected = [".metadata", "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"]
     assert sorted(os.listdir(a)) == expected
@@ -65,5 +43,5 @@ def test_dcp_save_async_save_overwrite_load(mounted, fsck_clean, tmp_path):
     before = {d: shas(d) for d in (a, b)}
     mounted.remount()
     assert {d: shas(d) for d in (a, b)} == before
-    run_ranks(tmp_path, f"load:{a}:1", f"load:{b}:3")
+    run_dcp_ranks(tmp_path, f"load:{a}:1", f"load:{b}:3", world=WORLD, timeout=180)
     fsck_clean(mounted)

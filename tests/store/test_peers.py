@@ -25,6 +25,10 @@ import pytest
 from mounting import run_ckptfs
 from test_s3 import bucket  # noqa: F401 - the fixture: a fresh bucket on the gateway
 
+HELPERS = Path(__file__).resolve().parent.parent / "compat" / "helpers"
+sys.path.insert(0, str(HELPERS))      # compat_util, compat_dcp_worker: shared with tests/compat
+from compat_util import run_dcp_ranks  # noqa: E402
+
 REFRESH_S = 0.5
 
 
@@ -227,8 +231,6 @@ def test_peers_names_volumes_and_needs_a_store(make_mount, tmp_path):
 
 # ----------------------------------------------------------- DCP on 2 nodes
 
-HELPERS = Path(__file__).resolve().parent.parent / "compat" / "helpers"
-
 FULL_LOAD = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -243,28 +245,6 @@ for g, ts in want.items():
         assert torch.equal(sd[g][n], t), (g, n)
 print("full load ok")
 """
-
-
-def run_ranks(tmp_path: Path, *ops: str, timeout: float = 300) -> None:
-    """Two gloo ranks of compat_dcp_worker.py; a CKPT_DIR of "DIR0+DIR1" gives
-    each rank its own directory (its node's mount)."""
-    init = tmp_path / f"init-{os.urandom(4).hex()}"
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(HELPERS / "compat_dcp_worker.py"),
-                               str(init), str(rank), "2", *ops],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) for rank in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {rank} failed running {ops}:\n{out[-4000:]}"
 
 
 @pytest.mark.cluster
@@ -284,13 +264,13 @@ def test_dcp_saved_on_two_nodes_loads_on_each(store_kind, make_mount, tmp_path, 
     b = node(make_mount, tmp_path, "nodeB", store)
     da, db = a.path / "run/step-7", b.path / "run/step-7"
     # Rank 0 on node A, rank 1 on node B: each writes its shards into its own mount.
-    run_ranks(tmp_path, f"save:{da}+{db}:7")
+    run_dcp_ranks(tmp_path, f"save:{da}+{db}:7")
     published(a, b)
     everything = sorted(set(os.listdir(da)) | set(os.listdir(db)))
     assert wait_for(lambda: sorted(os.listdir(da)) == everything == sorted(os.listdir(db)))
     # The same load, unchanged: each rank reads its node's mount, .metadata and
     # rank 0's non-tensor state come from node A's volume on node B.
-    run_ranks(tmp_path, f"load:{da}+{db}:7")
+    run_dcp_ranks(tmp_path, f"load:{da}+{db}:7")
     # One process on node B reads every shard (resharding to full tensors).
     res = subprocess.run([sys.executable, "-c", FULL_LOAD, str(HELPERS), "7", str(db)],
                          capture_output=True, text=True, timeout=300)

@@ -186,3 +186,14 @@ def run_ranks(cmds: list[list[str]], log_dir: Path, env: dict, timeout: float = 
     for rank, p in enumerate(procs):
         assert p.returncode == 0, \
             f"rank {rank} failed {what}:\n{logs[rank].read_text()[-4000:]}"
+
+
+def run_dcp_ranks(tmp_path: Path, *ops: str, world: int = 2, timeout: float = 300) -> None:
+    """world ranks of compat_dcp_worker.py doing ops ("MODE:CKPT_DIR:STEP") in
+    order, in one gloo process group; each must exit 0. A CKPT_DIR of
+    "DIR0+DIR1" gives each rank its own directory (its node's mount)."""
+    init = tmp_path / f"init-{os.urandom(4).hex()}"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    run_ranks([[sys.executable, HELPERS / "compat_dcp_worker.py", init, str(rank), str(world),
+                *ops] for rank in range(world)], tmp_path, env, timeout=timeout,
+              what=f"running {ops}")
