@@ -333,12 +333,13 @@ class FileData:
         """New chunks whose bytes another file committed since they were cut:
         use the stored chunk and give this copy back."""
         twins: dict[int, int] = {}
+        find = ix.chunk_no_finder(self.index)    # one per commit: a big file has 16 per MiB
         for chunk_no, chunk in list(df.new_chunks.items()):
             if not chunk.chunk_id:
                 continue
-            stored = ix.find_chunk(self.index, chunk.chunk_id)
-            if stored is not None and stored.chunk_no != chunk_no:
-                twins[chunk_no] = stored.chunk_no
+            stored_no = find(chunk.chunk_id)
+            if stored_no is not None and stored_no != chunk_no:
+                twins[chunk_no] = stored_no
                 del df.new_chunks[chunk_no]
                 self.stager.count_duplicate(chunk.length)
                 df.give_back(chunk.log_off, chunk.length, written=True)
