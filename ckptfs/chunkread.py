@@ -3,12 +3,26 @@
 A read is planned on the trio thread (`plan`): the open file's overlay
 first (new chunks, staged records, stored chunks it names), the committed
 extent map under it (cut at a pending truncation), holes left out. The plan
-is then executed (`read_blocking`): LOG chunks from the log, every 64 KiB
+is then executed (`read_blocking_into`): LOG chunks from the log, every 64 KiB
 block CRC-checked; staged bytes from the log as they are (nothing committed
 names them yet); PACK chunks from the cold store (`coldstore.ColdStore`,
 given to the constructor: None when no backing store is attached); SOURCE
 chunks from the pre-existing originals (`sources.SourceFiles`). A damaged
 record or a short chunk is DamagedData (EIO), never a read past a chunk.
+
+A file with no uncommitted changes is read from its *window*: the committed
+map of a stretch of the file (WINDOW_BYTES from where a read first needs
+it), its extents and their chunk records loaded in one pass over the index
+and kept, so a sequential reader does not walk LMDB per request. The index
+tells the reader of every change to an extent map or a chunk record as it
+is made (`Index.watch_maps`: writes, truncation, commits, deletion,
+tiering's flips, reclaim), and the window of every file it touches is
+dropped there and then: a window is always the map as the index has it.
+When every extent a read needs is a LOG chunk, the window's native form
+(`native.ExtentTable`) reads them in one call without the GIL: one
+`preadv` per run contiguous in the log, every block CRC-checked, into a
+reply buffer reused once nothing holds it (never zeroed: holes are
+written as zeros).
 
 A read of cold chunks also asks the prefetcher for the cold chunks a
 sequential reader will want next (`cold_ahead`), continuing from where the
@@ -17,11 +31,13 @@ last read's look-ahead stopped.
 `read` holds the bytes it planned with in place while it runs (the file's
 gate for uncommitted space, the reclaimer's read epochs for committed space)
 and decides where the byte work runs: inline up to INLINE_BYTES, else on a
-worker thread. `read_blocking` may block; the rest runs on the trio thread.
+worker thread. `read_blocking_into` may block; the rest runs on the trio thread.
 """
 
 from __future__ import annotations
 
+import sys
+from bisect import bisect_left, bisect_right
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
@@ -29,9 +45,10 @@ from typing import TYPE_CHECKING, Optional, Union
 import trio
 
 from . import index as ix
+from . import native
 from .dirtyfile import DirtyFile
-from .errors import DamagedData
-from .index import CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, Chunk, Index
+from .errors import CkptfsError, DamagedData
+from .index import CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, Chunk, Extent, Index
 from .overlay import ZERO_CHUNK
 from .pmemlog import PmemLog
 from .reclaim import Reclaimer
@@ -44,6 +61,13 @@ if TYPE_CHECKING:
 INLINE_BYTES = 64 * 1024         # reads up to this size are assembled on the trio thread
 AHEAD_RESCAN_BYTES = 64 << 20    # a reader this far behind its look-ahead starts it again
 
+WINDOW_BYTES = 32 << 20          # the committed map loaded at once for a reader
+MAX_WINDOWS = 32                 # files whose windows are kept (least recently read go)
+REPLY_BUFFER_BYTES = 1 << 20     # reused reply buffers: the largest FUSE read
+MAX_REPLY_BUFFERS = 8            # more in use at once are allocated and dropped
+HINT_BYTES = 16 << 20            # log read-ahead asked for ahead of a sequential reader
+HINT_SLACK_BYTES = 4 << 20       # a read this near the last one's end is sequential
+
 AnyChunk = Union[Chunk, StagedRecord]
 
 
@@ -53,6 +77,50 @@ class ReadPiece:
     length: int
     chunk: AnyChunk
     chunk_off: int
+
+
+@dataclass(slots=True, eq=False)
+class MapWindow:
+    """The committed extent map of file bytes [start, end) of ino: the
+    executor's table of its LOG extents, the chunk records of the others
+    (None: a LOG extent, or a record missing; a read asks the index again)."""
+    ino: int
+    start: int
+    end: int
+    extents: list[Extent]
+    ends: list[int]                  # each extent's end, for bisect
+    offs: list[int]                  # each extent's file offset
+    chunks: list[Optional[Chunk]]    # None for LOG extents the executor reads
+    slow: list[int]                  # slow[k]: extents before k the executor cannot read
+    table: Optional[native.ExtentTable]
+    read_to: int = 0                 # where the last read ended (sequential or not)
+    hinted_to: int = 0               # log read-ahead asked for up to this file offset
+
+    def span(self, off: int, end: int) -> tuple[int, int]:
+        """Extents [i, j) that overlap [off, end)."""
+        return bisect_right(self.ends, off), bisect_left(self.offs, end)
+
+
+class ReplyBuffers:
+    """Reply buffers used again once nothing holds them: no 1 MiB zero fill
+    and no fresh pages per READ. A buffer is free when its only references
+    are this pool's (pyfuse3 lets go of a reply as soon as it is sent; any
+    other caller that keeps one just keeps it from being reused). Trio thread."""
+
+    def __init__(self) -> None:
+        self._bufs: list[bytearray] = []
+
+    def take(self, length: int) -> bytearray:
+        if length > REPLY_BUFFER_BYTES:
+            return bytearray(length)
+        for buf in self._bufs:
+            # References: the list, `buf`, getrefcount's argument.
+            if sys.getrefcount(buf) == 3:
+                return buf
+        buf = bytearray(REPLY_BUFFER_BYTES)
+        if len(self._bufs) < MAX_REPLY_BUFFERS:
+            self._bufs.append(buf)
+        return buf
 
 
 class ChunkReader:
@@ -71,34 +139,167 @@ class ChunkReader:
         self.prefetcher = prefetcher
         self._ahead: dict[int, int] = {}        # ino -> file offset looked ahead to
         self.bytes_read = 0
+        self._windows: dict[int, MapWindow] = {}        # ino -> its window, oldest first
+        self._chunk_users: dict[int, set[int]] = {}     # chunk_no -> inos whose window names it
+        self._replies = ReplyBuffers()
+        self.window_loads = 0
+        self.reads_waited = 0           # window reads that missed the page cache
+        index.watch_maps(self._extents_changed, self._chunk_changed)
 
     async def read(self, df: Optional[DirtyFile], ino: int, off: int, size: int,
                    file_size: int) -> bytes | bytearray:
         """The bytes of [off, off+size) of ino (df: its uncommitted changes,
         quiesced by the caller), short at the end of the file."""
-        length, pieces = self.plan(df, ino, off, size, file_size)
+        if df is None:
+            end = min(off + size, file_size)
+            if end <= off:
+                return b""
+            window = self._window(ino, off, end, file_size)
+            i, j = window.span(off, end)
+            if window.table is not None and window.slow[j] == window.slow[i]:
+                return await self._read_window(window, i, j, off, end - off)
+            length, pieces = end - off, self._window_pieces(window, i, j, off, end)
+        else:
+            length, pieces = self.plan(df, ino, off, size, file_size)
         if not pieces:
             return bytes(length)
         if self.prefetcher is not None and any(p.chunk.kind == CHUNK_PACK for p in pieces):
             self.prefetcher.prefetch(self.cold_ahead(ino, off + size, file_size))
         # The gate keeps uncommitted space it reads from being reused; the
         # epoch, committed space freed meanwhile.
+        buf = self._replies.take(length)
+        out = memoryview(buf)[:length]
         with df.reading() if df is not None else nullcontext():
             epoch = self.reclaimer.begin_read()
             try:
-                if length > INLINE_BYTES:
-                    data = await trio.to_thread.run_sync(self.read_blocking, length, pieces,
-                                                         limiter=self.io_limiter)
-                else:
-                    data = self.read_blocking(length, pieces)
+                if length <= INLINE_BYTES:
+                    self.read_blocking_into(out, pieces)
+                elif not self._read_cached_into(out, pieces):
+                    await trio.to_thread.run_sync(self.read_blocking_into, out, pieces,
+                                                  limiter=self.io_limiter)
             finally:
                 self.reclaimer.end_read(epoch)
         self.bytes_read += length
-        return data
+        return buf if length == len(buf) else out
+
+    async def _read_window(self, window: MapWindow, i: int, j: int, off: int, length: int
+                           ) -> bytearray | memoryview:
+        """Extents [i, j) of window, all LOG chunks, into a reply buffer."""
+        if i == j:
+            return bytes(length)
+        self._hint_ahead(window, off, off + length)
+        buf = self._replies.take(length)
+        out = memoryview(buf)[:length]
+        epoch = self.reclaimer.begin_read()
+        try:
+            # From the page cache (the hints make it so for a sequential
+            # reader): a copy and a CRC, GIL released, cheaper than a thread
+            # hop. Else on a worker thread, which may wait for the disk.
+            if length <= INLINE_BYTES:
+                self.log.read_extents_into(out, window.table, i, j - i, off)
+            elif not self.log.read_extents_into(out, window.table, i, j - i, off, nowait=True):
+                self.reads_waited += 1
+                await trio.to_thread.run_sync(self.log.read_extents_into, out, window.table,
+                                              i, j - i, off, limiter=self.io_limiter)
+        finally:
+            self.reclaimer.end_read(epoch)
+        self.bytes_read += length
+        return buf if length == len(buf) else out
+
+    def _hint_ahead(self, window: MapWindow, off: int, end: int) -> None:
+        """A sequential reader's next HINT_BYTES: the kernel reads their log
+        bytes ahead (POSIX_FADV_WILLNEED), so its next reads find them in the
+        page cache. A reader that jumps gets none."""
+        sequential = window.read_to - HINT_SLACK_BYTES <= off <= window.read_to + HINT_SLACK_BYTES
+        window.read_to = max(window.read_to, end) if sequential else end
+        if not sequential or window.hinted_to >= end + HINT_BYTES // 2:
+            return
+        start = max(window.hinted_to, end)
+        stop = min(end + HINT_BYTES, window.end)
+        window.hinted_to = stop
+        if stop > start:
+            # GIL released; it only queues the reads (a thread hop costs more).
+            window.table.hint(self.log.fd, start, stop - start)
 
     def forget(self, ino: int) -> None:
-        """The kernel forgot ino: drop its look-ahead position."""
+        """The kernel forgot ino: drop its look-ahead position and window."""
         self._ahead.pop(ino, None)
+        self._drop_window(ino)
+
+    # ------------------------------------------------------------ windows
+
+    def _window(self, ino: int, off: int, end: int, file_size: int) -> MapWindow:
+        """A window of ino's committed map covering [off, end)."""
+        window = self._windows.pop(ino, None)
+        if window is not None and window.start <= off and end <= window.end:
+            self._windows[ino] = window         # most recently read last
+            return window
+        if window is not None:
+            self._drop_window(ino, window)
+        w_end = max(end, min(off + WINDOW_BYTES, file_size))
+        extents = list(ix.iter_extents(self.index, ino, off, w_end))
+        chunks: list[Optional[Chunk]] = []
+        slow = [0]
+        rows = []
+        for e in extents:
+            # Only what the index holds (the watch sees every change of it);
+            # anything else is asked for again at each read.
+            loc = ix.log_location(self.index, e.chunk_no)
+            fast = loc is not None and e.chunk_off + e.length <= loc[1]
+            if fast:
+                log_off, chunk_len, crcs = loc
+                rows.append((e.file_off, e.length, log_off, e.chunk_off, chunk_len, crcs))
+                chunks.append(None)         # decoded when a read needs it (rarely)
+            else:
+                rows.append((e.file_off, e.length, 0, 0, e.length,
+                             bytes(4 * -(-e.length // ix.CRC_BLOCK_BYTES))))
+                try:
+                    chunks.append(ix.get_chunk(self.index, e.chunk_no))
+                except CkptfsError:
+                    chunks.append(None)     # damaged: EIO for the reads that need it
+            slow.append(slow[-1] + (not fast))
+        # A device-DAX log has no read(2): the mapping is read in Python.
+        fast_any = slow[-1] < len(extents) and not self.log.dax
+        window = MapWindow(ino, off, w_end, extents, [e.end for e in extents],
+                           [e.file_off for e in extents], chunks, slow,
+                           native.ExtentTable(rows) if fast_any else None)
+        self._windows[ino] = window
+        for e in extents:
+            self._chunk_users.setdefault(e.chunk_no, set()).add(ino)
+        while len(self._windows) > MAX_WINDOWS:
+            self._drop_window(next(iter(self._windows)))
+        self.window_loads += 1
+        return window
+
+    def _window_pieces(self, window: MapWindow, i: int, j: int, off: int, end: int
+                       ) -> list[ReadPiece]:
+        pieces = []
+        for e, chunk in zip(window.extents[i:j], window.chunks[i:j]):
+            s, t = max(e.file_off, off), min(e.end, end)
+            if chunk is None:
+                chunk = self.reclaimer.chunk(e.chunk_no)     # says what is wrong
+            pieces.append(ReadPiece(s - off, t - s, chunk, e.chunk_off + (s - e.file_off)))
+        return pieces
+
+    def _drop_window(self, ino: int, window: Optional[MapWindow] = None) -> None:
+        if window is None:
+            window = self._windows.pop(ino, None)
+            if window is None:
+                return
+        for e in window.extents:
+            users = self._chunk_users.get(e.chunk_no)
+            if users is not None:
+                users.discard(ino)
+                if not users:
+                    del self._chunk_users[e.chunk_no]
+
+    def _extents_changed(self, ino: int) -> None:
+        if ino in self._windows:
+            self._drop_window(ino)
+
+    def _chunk_changed(self, chunk_no: int) -> None:
+        for ino in list(self._chunk_users.get(chunk_no, ())):
+            self._drop_window(ino)
 
     # ------------------------------------------------------------ planning
 
@@ -163,10 +364,36 @@ class ChunkReader:
 
     # ----------------------------------------------------------- executing
 
-    def read_blocking(self, length: int, pieces: list[ReadPiece]) -> bytearray:
-        """Assemble the bytes of a read plan, verifying every log block. May block."""
-        out = bytearray(length)
-        view = memoryview(out)
+    def _read_cached_into(self, view: memoryview, pieces: list[ReadPiece]) -> bool:
+        """A read of cold chunks all in the cold store's cache (the prefetcher
+        put them there): copies on the trio thread, cheaper than a thread
+        hop. False (view holds anything) if one is not cached, or another
+        kind of chunk is in the plan."""
+        if self.cold is None or any(p.chunk.kind != CHUNK_PACK for p in pieces):
+            return False
+        pos = 0
+        for p in pieces:
+            ix.check_chunk_record(p.chunk)
+            if p.dst_off > pos:
+                view[pos:p.dst_off] = bytes(p.dst_off - pos)
+            if not self.cold.read_cached_into(view[p.dst_off:p.dst_off + p.length],
+                                              p.chunk, p.chunk_off):
+                return False
+            pos = p.dst_off + p.length
+        if pos < len(view):
+            view[pos:] = bytes(len(view) - pos)
+        return True
+
+    def read_blocking_into(self, view: memoryview, pieces: list[ReadPiece]) -> None:
+        """Assemble the bytes of a read plan into view (a reused buffer: the
+        holes between pieces are zeroed here), verifying every log block. May block."""
+        pos = 0
+        for p in sorted(pieces, key=lambda p: p.dst_off):
+            if p.dst_off > pos:
+                view[pos:p.dst_off] = bytes(p.dst_off - pos)
+            pos = max(pos, p.dst_off + p.length)
+        if pos < len(view):
+            view[pos:] = bytes(len(view) - pos)
         for p in pieces:
             dst = view[p.dst_off:p.dst_off + p.length]
             if p.chunk.kind in (CHUNK_LOG, CHUNK_PACK):
@@ -189,4 +416,3 @@ class ChunkReader:
                 self.sources.read_into(dst, p.chunk, p.chunk_off)
             else:
                 raise DamagedData(f"chunk {p.chunk.chunk_no} has unknown kind {p.chunk.kind}")
-        return out

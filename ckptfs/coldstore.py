@@ -60,6 +60,24 @@ class ColdStore:
                               f"bytes, its id names {len(data)}")
         out[:] = memoryview(data)[chunk_off:chunk_off + len(out)]
 
+    def read_cached_into(self, out: memoryview, chunk: Chunk, chunk_off: int) -> bool:
+        """Like `read_into` if the chunk is in the cache (a copy: the trio
+        thread may call it); False, touching nothing, if it is not."""
+        if chunk_off + len(out) > chunk.length:
+            raise DamagedData(f"cold chunk {chunk.chunk_no}: an extent reaches byte "
+                              f"{chunk_off + len(out)} of a {chunk.length}-byte chunk")
+        with self._lock:
+            data = self._cache.get(chunk.chunk_id)
+            if data is None:
+                return False
+            self._cache.move_to_end(chunk.chunk_id)
+            self.hits += 1
+        if len(data) != chunk.length:
+            raise DamagedData(f"cold chunk {chunk.chunk_no}: its record says {chunk.length} "
+                              f"bytes, its id names {len(data)}")
+        out[:] = memoryview(data)[chunk_off:chunk_off + len(out)]
+        return True
+
     def cached(self, chunk: Chunk) -> bool:
         with self._lock:
             return chunk.chunk_id in self._cache or chunk.chunk_id in self._fetching

@@ -462,6 +462,7 @@ class Filesystem:
                                    if self.index.commits else 0.0),
             "bytes_written": self.files.bytes_written,
             "bytes_read": self.files.bytes_read,
+            "read_window_loads": self.files.reader.window_loads,
             "errors": dict(self.errors_by_kind),
             "read_only": self.index.failure is not None or self.index.fenced is not None,
             "last_error": (str(self.index.failure) if self.index.failure

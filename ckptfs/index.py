@@ -209,11 +209,13 @@ GROWTH_PER_FILE_COMMIT_BYTES = 4096
 
 _U64 = struct.Struct(">Q")
 _U64x2 = struct.Struct(">QQ")
+_WATCHED_DBS = frozenset(("extents", "chunks"))     # what `Index.watch_maps` reports
 _EXTENT = struct.Struct("<QQQ")
 _DIRENT = struct.Struct("<QQ")
 _CHUNK_HEAD = struct.Struct("<BIQ")
 _LOGLOC = struct.Struct("<Q")
 _PACKLOC = struct.Struct("<QQIBBI")     # pack no, offset, stored length, codec, param, crc
+_LOG_FIXED = _CHUNK_HEAD.size + _LOGLOC.size + CHUNK_ID_BYTES   # a LOG record before its CRCs
 _PACK = struct.Struct("<QQQ")           # live chunks, live stored bytes, pack size
 _SOURCE_ID = struct.Struct("<BQQ")      # SOURCE_FS_*, st_dev, st_ino
 INODE_STRUCT = struct.Struct("<IIIIQQqqqQQ")
@@ -404,6 +406,7 @@ class Index:
         self.durable_seq = 0
         self.failure: Optional[BaseException] = None
         self.fenced: Optional[str] = None       # why the filesystem is read-only (`fence`)
+        self._watchers: list[tuple[Callable[[int], None], Callable[[int], None]]] = []
         self._work = trio.Event()
         self._durable_changed = trio.Event()
         self._stopping = False
@@ -737,11 +740,29 @@ class Index:
         if self.fenced is not None:
             raise ReadOnly(self.fenced)
         self._layer(db)[key] = value
+        if db in _WATCHED_DBS:
+            self._map_changed(db, key)
 
     def _delete(self, db: str, key: bytes) -> None:
         if self.fenced is not None:
             raise ReadOnly(self.fenced)
         self._layer(db)[key] = None
+        if db in _WATCHED_DBS:
+            self._map_changed(db, key)
+
+    def watch_maps(self, extents_changed: Callable[[int], None],
+                   chunk_changed: Callable[[int], None]) -> None:
+        """Be told of every change to a file's extent map (its inode number)
+        and to a chunk record (its number), as each is made, on the trio
+        thread: caches of them (chunkread.py's read windows) drop what
+        changed. Every write of the live index passes `_put`/`_delete`, so
+        no change escapes them."""
+        self._watchers.append((extents_changed, chunk_changed))
+
+    def _map_changed(self, db: str, key: bytes) -> None:
+        number = _U64.unpack_from(key)[0]       # extents: (ino, off); chunks: chunk_no
+        for extents_changed, chunk_changed in self._watchers:
+            (extents_changed if db == "extents" else chunk_changed)(number)
 
     def check_writable(self) -> None:
         """ReadOnly once an index failure or a fence made the filesystem read-only."""
@@ -1221,6 +1242,30 @@ def count_files(kv) -> dict[bytes, int]:
 def get_chunk(kv, chunk_no: int) -> Optional[Chunk]:
     raw = kv._get("chunks", u64(chunk_no))
     return None if raw is None else Chunk.decode(chunk_no, raw)
+
+
+def log_location(kv, chunk_no: int) -> Optional[tuple[int, int, bytes]]:
+    """(log_off, length, crcs) of a LOG chunk (copied to a pack or not) whose
+    record `chunk_record_problem` finds nothing wrong with; None for any
+    other chunk, a missing one or a damaged record (`get_chunk` says more).
+    The read windows' loader (chunkread.py): a third of `get_chunk`'s cost."""
+    raw = kv._get("chunks", u64(chunk_no))
+    if raw is None or len(raw) < _LOG_FIXED:
+        return None
+    kind, _, length = _CHUNK_HEAD.unpack_from(raw)
+    if length > MAX_CHUNK_BYTES:
+        return None
+    if kind == CHUNK_LOG:
+        crcs_at = _LOG_FIXED
+    elif kind == _LOG_COPIED:
+        crcs_at = _LOG_FIXED + _PACKLOC.size
+        if len(raw) < crcs_at or _PACKLOC.unpack_from(raw, _LOG_FIXED)[2] > length:
+            return None
+    else:
+        return None
+    if len(raw) - crcs_at != 4 * -(-length // CRC_BLOCK_BYTES):
+        return None
+    return _LOGLOC.unpack_from(raw, _CHUNK_HEAD.size)[0], length, raw[crcs_at:]
 
 
 def chunk_record_problem(chunk: Chunk) -> Optional[str]:

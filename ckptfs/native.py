@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import struct
 import sys
 from typing import TYPE_CHECKING
 
@@ -423,3 +424,78 @@ def rans8_decode_into(payload: Buffer, out: Buffer) -> bool:
     """Decode :func:`rans8_encode` output into all of ``out``; False if damaged."""
     with ffi.from_buffer(payload) as src, ffi.from_buffer(out, require_writable=True) as dst:
         return lib.ckptfs_rans8_decode(src, len(src), dst, len(dst)) == 0
+
+
+# ---- the read executor (ckptfs/chunkread.py, native/ckptfs_readx.h) ------------
+
+__all__ += ["ExtentTable", "READ_FAILED_CHECKSUM", "READ_FAILED_SHORT_LOG",
+            "READ_FAILED_BAD_EXTENT", "READ_FAILED_IO", "READ_WOULD_BLOCK"]
+
+READ_FAILED_CHECKSUM = 1     # a block's CRC-32C does not match
+READ_FAILED_SHORT_LOG = 2    # the log ends before a byte an extent names
+READ_FAILED_BAD_EXTENT = 3   # an extent that cannot be one ckptfs wrote
+READ_FAILED_IO = 4           # preadv failed (errno in the result)
+READ_WOULD_BLOCK = 5         # nowait: not all in the page cache (read again, may block)
+
+
+_RX_EXTENT = struct.Struct("=6Q")     # ckptfs_rx_extent: six uint64_t, native order
+if _RX_EXTENT.size != ffi.sizeof("ckptfs_rx_extent"):  # pragma: no cover - a stale build
+    raise ImportError("ckptfs._native's ckptfs_rx_extent is not six uint64s: rebuild it")
+
+
+class ExtentTable:
+    """A file's LOG extents in the executor's form, built once and read many times.
+
+    rows: (file_off, length, log_off, chunk_off, chunk_len, crcs) in file
+    order, crcs the chunk's per-block CRC-32Cs as stored (little-endian
+    uint32s). Immutable once built; `read_into` may run on any thread.
+    """
+
+    __slots__ = ("count", "_ext", "_crcs", "_n_crcs")
+
+    def __init__(self, rows: list[tuple[int, int, int, int, int, bytes]]) -> None:
+        self.count = len(rows)
+        packed = bytearray(_RX_EXTENT.size * max(len(rows), 1))
+        parts = []
+        at = 0
+        crc_at: dict[tuple[int, bytes], int] = {}   # a chunk named twice: its CRCs once
+        pack_into = _RX_EXTENT.pack_into
+        for i, (file_off, length, log_off, chunk_off, chunk_len, crcs) in enumerate(rows):
+            where = crc_at.get((log_off, crcs))
+            if where is None:
+                where = crc_at[log_off, crcs] = at
+                parts.append(crcs)
+                at += len(crcs) // 4
+            pack_into(packed, i * _RX_EXTENT.size, file_off, length, log_off, chunk_off,
+                      chunk_len, where)
+        # Packed in Python (one call per row, not six field stores through cffi).
+        self._ext = ffi.from_buffer("ckptfs_rx_extent[]", packed)
+        self._n_crcs = at
+        self._crcs = ffi.from_buffer("uint8_t[]", b"".join(parts) or b"\0\0\0\0")
+
+    def read_into(self, fd: int, first: int, count: int, block_bytes: int, off: int,
+                  out: Buffer, scratch: Buffer, nowait: bool = False
+                  ) -> tuple[int, int, int, int]:
+        """File bytes [off, off + len(out)) from extents [first, first + count)
+        into out, every block verified; zeros where no extent is. Returns (0,
+        ...) or (kind, errno, log_off, block): see ckptfs_rx_error. scratch:
+        2 * block_bytes writable bytes. nowait: READ_WOULD_BLOCK rather than
+        wait for the disk. May block unless nowait (GIL released)."""
+        if first < 0 or count < 0 or first + count > self.count:
+            raise ValueError(f"extents [{first}, {first + count}) of {self.count}")
+        err = ffi.new("ckptfs_rx_error *")
+        with ffi.from_buffer(out, require_writable=True) as dst, \
+                ffi.from_buffer(scratch, require_writable=True) as scr:
+            if len(scr) < 2 * block_bytes:
+                raise ValueError("scratch holds less than two blocks")
+            rc = lib.ckptfs_read_extents(fd, self._ext + first, count, self._crcs,
+                                         self._n_crcs, block_bytes, off, dst, len(dst), scr,
+                                         1 if nowait else 0, err)
+        if rc == 0:
+            return 0, 0, 0, 0
+        return int(err.kind), int(err.err), int(err.log_off), int(err.block)
+
+    def hint(self, fd: int, off: int, length: int) -> None:
+        """Ask the kernel to read ahead the log bytes of file bytes [off,
+        off + length). Advice only; may block briefly (GIL released)."""
+        lib.ckptfs_hint_extents(fd, self._ext, self.count, off, length)

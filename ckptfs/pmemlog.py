@@ -33,6 +33,7 @@ import logging
 import os
 import stat
 import struct
+import threading
 from typing import Iterable, Optional
 
 from sortedcontainers import SortedDict
@@ -68,6 +69,7 @@ class PmemLog:
         self._free = SortedDict()        # offset -> length, coalesced
         self.free_bytes = 0
         self._cursor = SUPERBLOCK_BYTES  # next-fit keeps writes sequential in the log
+        self._scratch = threading.local()  # read_extents_into's partial blocks, per thread
 
     # ------------------------------------------------------------ lifecycle
 
@@ -402,6 +404,32 @@ class PmemLog:
             if n == 0:
                 raise DamagedData(f"log {self.path} ends before offset {off + done}")
             done += n
+
+    def read_extents_into(self, out: memoryview, table: native.ExtentTable, first: int,
+                          count: int, file_off: int, nowait: bool = False) -> bool:
+        """Fill out with file bytes [file_off, file_off+len(out)) from the LOG
+        extents [first, first+count) of table (zeros between them): one
+        preadv per run contiguous in the log, every 64 KiB block verified
+        before it returns, as `read_into` does. May block (GIL released),
+        unless nowait: then False if a byte is not in the page cache."""
+        scratch = getattr(self._scratch, "buf", None)
+        if scratch is None:
+            scratch = self._scratch.buf = bytearray(2 * CRC_BLOCK_BYTES)
+        kind, err, log_off, block = table.read_into(self.fd, first, count, CRC_BLOCK_BYTES,
+                                                    file_off, out, scratch, nowait)
+        if kind == 0:
+            return True
+        if kind == native.READ_WOULD_BLOCK:
+            return False
+        if kind == native.READ_FAILED_CHECKSUM:
+            raise DamagedData(f"log record at offset {log_off}: checksum mismatch in block "
+                              f"{block} (bytes {block * CRC_BLOCK_BYTES}..)")
+        if kind == native.READ_FAILED_SHORT_LOG:
+            raise DamagedData(f"log {self.path} ends before offset {log_off}")
+        if kind == native.READ_FAILED_IO:
+            raise OSError(err, f"reading the log {self.path} at {log_off}: {os.strerror(err)}")
+        raise DamagedData(f"extent {block} of a read plan cannot be one ckptfs wrote "
+                          f"(log offset {log_off})")
 
     def read_raw(self, off: int, length: int) -> bytes:
         """Unverified bytes (fsck and tests). May block."""

@@ -1,0 +1,230 @@
+/* The read executor: see ckptfs_readx.h for what and why. */
+#define _GNU_SOURCE
+
+#include "ckptfs_readx.h"
+#include "ckptfs_native.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/uio.h>
+
+/* One extent's part of the read, in its chunk's coordinates: bytes [ca, cb)
+ * go to dst + dst_at; the whole blocks around them are [bs, be). */
+typedef struct {
+    uint64_t ca, cb, bs, be;
+    size_t dst_at;
+} piece_t;
+
+static int fail(ckptfs_rx_error *err, int kind, int e, uint64_t log_off, uint64_t block)
+{
+    err->kind = kind;
+    err->err = e;
+    err->log_off = log_off;
+    err->block = block;
+    return -1;
+}
+
+static uint32_t le32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* preadv until every iovec is full; 0, or -1 with *err filled. */
+static int read_full(int fd, struct iovec *iov, int cnt, uint64_t pos, int nowait,
+                     ckptfs_rx_error *err)
+{
+    while (cnt > 0) {
+        ssize_t n = preadv2(fd, iov, cnt, (off_t)pos, nowait ? RWF_NOWAIT : 0);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (nowait && (errno == EAGAIN || errno == EOPNOTSUPP))
+                return fail(err, 5, errno, pos, 0);
+            return fail(err, 4, errno, pos, 0);
+        }
+        if (n == 0)
+            return fail(err, 2, 0, pos, 0);
+        pos += (uint64_t)n;
+        while (cnt > 0 && (size_t)n >= iov->iov_len) {
+            n -= (ssize_t)iov->iov_len;
+            iov++;
+            cnt--;
+        }
+        if (cnt > 0) {
+            iov->iov_base = (uint8_t *)iov->iov_base + n;
+            iov->iov_len -= (size_t)n;
+        }
+    }
+    return 0;
+}
+
+/* Check every block of piece p of extent e: its bytes are the head in
+ * scratch (before ca, first block only), dst, and the tail in scratch +
+ * block_bytes (after cb, last block only). */
+static int verify(const ckptfs_rx_extent *e, const piece_t *p, const uint8_t *crcs,
+                  uint64_t B, const uint8_t *dst, const uint8_t *scratch,
+                  ckptfs_rx_error *err)
+{
+    for (uint64_t k0 = p->bs; k0 < p->be; k0 += B) {
+        uint64_t k1 = k0 + B < e->chunk_len ? k0 + B : e->chunk_len;
+        uint32_t crc = 0;
+        if (k0 < p->ca)
+            crc = ckptfs_crc32c(crc, scratch, (size_t)(p->ca - k0));
+        uint64_t a = k0 > p->ca ? k0 : p->ca;
+        uint64_t b = k1 < p->cb ? k1 : p->cb;
+        if (b > a)
+            crc = ckptfs_crc32c(crc, dst + p->dst_at + (a - p->ca), (size_t)(b - a));
+        if (k1 > p->cb)
+            crc = ckptfs_crc32c(crc, scratch + B, (size_t)(k1 - p->cb));
+        uint64_t blk = k0 / B;
+        if (crc != le32(crcs + 4 * (e->crc_at + blk)))
+            return fail(err, 1, 0, e->log_off, blk);
+    }
+    return 0;
+}
+
+int ckptfs_read_extents(int fd, const ckptfs_rx_extent *ext, size_t n,
+                        const uint8_t *crcs, size_t n_crcs, uint64_t block_bytes,
+                        uint64_t off, uint8_t *dst, size_t len,
+                        uint8_t *scratch, int nowait, ckptfs_rx_error *err)
+{
+    const uint64_t B = block_bytes;
+    const uint64_t end = off + len;
+    uint64_t filled = off;          /* dst holds file bytes [off, filled) */
+    uint64_t prev_end = 0;
+    /* The run being gathered: extents [r0, r1) whose pieces are one preadv. */
+    size_t r0 = 0, r1 = 0;
+    piece_t first = {0}, last = {0};
+
+    if (B == 0 || end < off)
+        return fail(err, 3, 0, 0, 0);
+    for (size_t i = 0; i <= n; i++) {
+        piece_t p = {0};
+        int have = 0;
+        if (i < n) {
+            const ckptfs_rx_extent *e = &ext[i];
+            uint64_t nblocks = e->chunk_len / B + (e->chunk_len % B != 0);
+            if (e->length == 0 || e->file_off < prev_end
+                    || e->length > UINT64_MAX - e->file_off
+                    || e->chunk_off > e->chunk_len || e->length > e->chunk_len - e->chunk_off
+                    || e->crc_at > n_crcs || nblocks > n_crcs - e->crc_at)
+                return fail(err, 3, 0, e->log_off, i);
+            prev_end = e->file_off + e->length;
+            uint64_t a = e->file_off > off ? e->file_off : off;
+            uint64_t b = prev_end < end ? prev_end : end;
+            if (a < b) {
+                have = 1;
+                p.ca = e->chunk_off + (a - e->file_off);
+                p.cb = p.ca + (b - a);
+                p.bs = p.ca - p.ca % B;
+                p.be = p.cb % B ? p.cb - p.cb % B + B : p.cb;
+                if (p.be > e->chunk_len)
+                    p.be = e->chunk_len;
+                p.dst_at = (size_t)(a - off);
+                /* Does it continue the run: no tail before it, no head in
+                 * it, next in the log and in the file? */
+                if (r1 > r0 && last.be == last.cb && p.bs == p.ca
+                        && ext[r1 - 1].log_off + last.cb == e->log_off + p.ca
+                        && last.dst_at + (last.cb - last.ca) == p.dst_at) {
+                    last = p;
+                    r1 = i + 1;
+                    filled = b;
+                    continue;
+                }
+            }
+        }
+        if (r1 > r0) {
+            /* Read the run [r0, r1): head, the dst span, tail, then check it. */
+            struct iovec iov[3];
+            int cnt = 0;
+            uint64_t head = first.ca - first.bs, tail = last.be - last.cb;
+            if (head) {
+                iov[cnt].iov_base = scratch;
+                iov[cnt++].iov_len = (size_t)head;
+            }
+            iov[cnt].iov_base = dst + first.dst_at;
+            iov[cnt++].iov_len = last.dst_at + (size_t)(last.cb - last.ca) - first.dst_at;
+            if (tail) {
+                iov[cnt].iov_base = scratch + B;
+                iov[cnt++].iov_len = (size_t)tail;
+            }
+            if (read_full(fd, iov, cnt, ext[r0].log_off + first.bs, nowait, err))
+                return -1;
+            if (r1 - r0 == 1) {
+                if (verify(&ext[r0], &first, crcs, B, dst, scratch, err))
+                    return -1;
+            } else {
+                /* Only the first piece has a head and only the last a tail;
+                 * the middle ones are their chunks' whole tails/heads. */
+                if (verify(&ext[r0], &first, crcs, B, dst, scratch, err))
+                    return -1;
+                size_t at = first.dst_at + (size_t)(first.cb - first.ca);
+                for (size_t j = r0 + 1; j + 1 < r1; j++) {
+                    const ckptfs_rx_extent *e = &ext[j];
+                    uint64_t a = e->file_off > off ? e->file_off : off;
+                    uint64_t b = e->file_off + e->length < end ? e->file_off + e->length : end;
+                    piece_t m;
+                    m.ca = e->chunk_off + (a - e->file_off);
+                    m.cb = m.ca + (b - a);
+                    m.bs = m.ca;            /* continuation rule: no head, no tail */
+                    m.be = m.cb;
+                    m.dst_at = at;
+                    at += (size_t)(b - a);
+                    if (verify(e, &m, crcs, B, dst, scratch, err))
+                        return -1;
+                }
+                if (verify(&ext[r1 - 1], &last, crcs, B, dst, scratch, err))
+                    return -1;
+            }
+            r0 = r1;
+        }
+        if (have) {
+            /* A hole before this piece reads as zeros. */
+            uint64_t a = off + p.dst_at;
+            if (a > filled)
+                memset(dst + (filled - off), 0, (size_t)(a - filled));
+            filled = a + (p.cb - p.ca);
+            first = last = p;
+            r0 = i;
+            r1 = i + 1;
+        } else {
+            r0 = r1 = i + 1;
+        }
+    }
+    if (end > filled)
+        memset(dst + (filled - off), 0, (size_t)(end - filled));
+    return 0;
+}
+
+size_t ckptfs_hint_extents(int fd, const ckptfs_rx_extent *ext, size_t n,
+                           uint64_t off, uint64_t len)
+{
+    size_t calls = 0;
+    uint64_t end = off + len < off ? UINT64_MAX : off + len;
+    uint64_t run_at = 0, run_len = 0;
+    for (size_t i = 0; i < n; i++) {
+        const ckptfs_rx_extent *e = &ext[i];
+        uint64_t e_end = e->file_off + e->length;
+        if (e_end <= off || e->file_off >= end || e_end < e->file_off)
+            continue;
+        uint64_t a = e->file_off > off ? e->file_off : off;
+        uint64_t b = e_end < end ? e_end : end;
+        uint64_t at = e->log_off + e->chunk_off + (a - e->file_off);
+        if (run_len && run_at + run_len == at) {
+            run_len += b - a;
+            continue;
+        }
+        if (run_len) {
+            posix_fadvise(fd, (off_t)run_at, (off_t)run_len, POSIX_FADV_WILLNEED);
+            calls++;
+        }
+        run_at = at;
+        run_len = b - a;
+    }
+    if (run_len) {
+        posix_fadvise(fd, (off_t)run_at, (off_t)run_len, POSIX_FADV_WILLNEED);
+        calls++;
+    }
+    return calls;
+}
