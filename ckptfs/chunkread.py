@@ -174,7 +174,10 @@ class ChunkReader:
             try:
                 if length <= INLINE_BYTES:
                     self.read_blocking_into(out, pieces)
-                elif not self._read_cached_into(out, pieces):
+                    await trio.lowlevel.checkpoint()
+                elif self._read_cached_into(out, pieces):
+                    await trio.lowlevel.checkpoint()
+                else:
                     await trio.to_thread.run_sync(self.read_blocking_into, out, pieces,
                                                   limiter=self.io_limiter)
             finally:
@@ -195,9 +198,14 @@ class ChunkReader:
             # From the page cache (the hints make it so for a sequential
             # reader): a copy and a CRC, GIL released, cheaper than a thread
             # hop. Else on a worker thread, which may wait for the disk.
+            # Either way the request yields once, as every trio operation does
+            # (a read that never yields changed the order of other tasks' steps).
             if length <= INLINE_BYTES:
                 self.log.read_extents_into(out, window.table, i, j - i, off)
-            elif not self.log.read_extents_into(out, window.table, i, j - i, off, nowait=True):
+                await trio.lowlevel.checkpoint()
+            elif self.log.read_extents_into(out, window.table, i, j - i, off, nowait=True):
+                await trio.lowlevel.checkpoint()
+            else:
                 self.reads_waited += 1
                 await trio.to_thread.run_sync(self.log.read_extents_into, out, window.table,
                                               i, j - i, off, limiter=self.io_limiter)
