@@ -402,6 +402,13 @@ class ChunkReader:
             pos = max(pos, p.dst_off + p.length)
         if pos < len(view):
             view[pos:] = bytes(len(view) - pos)
+        if self.cold is not None:
+            # The read's cold chunks the prefetcher has not brought yet, in one
+            # call: neighbours in a pack are one backend read, not one each.
+            missing = [p.chunk for p in pieces
+                       if p.chunk.kind == CHUNK_PACK and not self.cold.cached(p.chunk)]
+            if len(missing) > 1:
+                self.cold.get_many(missing)
         for p in pieces:
             dst = view[p.dst_off:p.dst_off + p.length]
             if p.chunk.kind in (CHUNK_LOG, CHUNK_PACK):
