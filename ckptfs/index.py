@@ -855,6 +855,14 @@ class Index:
 
     async def _commit_batches(self, persist: Callable[[list[tuple[int, int]]], None],
                               limiter: trio.CapacityLimiter, idle_delay_s: float) -> None:
+        if self._committing is not None and self.failure is None:
+            # A committer cancelled after it sealed a batch and before that batch
+            # was durable left it here. Its changes are visible (the overlay) and
+            # the id and file counters the next batch carries already include
+            # them: it commits first and whole, or the next batch would make
+            # totals durable without the records they count.
+            if not await self._commit_sealed(self._committing, persist, limiter):
+                return
         while True:
             if self._open.is_empty():
                 if self._stopping:
@@ -883,40 +891,54 @@ class Index:
                 self._layer("meta")[name] = _LOGLOC.pack(value)
             batch, self._open = self._open, Batch(seq=self._open.seq + 1)
             self._committing = batch
-            started = time.monotonic()
-            try:
-                room = await self._commit_until_room(batch, persist, limiter)
-            except BaseException as e:  # noqa: BLE001 - any failure makes us read-only
-                if isinstance(e, trio.Cancelled):
-                    raise
-                log.error("index commit of batch %d failed: %s; filesystem is now read-only",
-                          batch.seq, e)
-                self.failure = e
-                self._durable_changed.set()
-                self._durable_changed = trio.Event()
+            if not await self._commit_sealed(batch, persist, limiter):
                 return
-            if failing_at("commit-durable"):
-                raise RuntimeError(f"failure injected after batch {batch.seq} became durable "
-                                   "(CKPTFS_DEBUG_FAIL)")
-            self._renew_read_txn()
-            self._committing = None
-            self.durable_seq = batch.seq
-            self._promised_total -= batch.promised_bytes
-            if room is not None:
-                self.room_bytes = room
-            self.stalled = None
-            self._note_room()
-            elapsed = time.monotonic() - started
-            self.commits += 1
-            self.commit_seconds_total += elapsed
-            if self.on_commit is not None:
-                self.on_commit(elapsed)
-            for fn in self.on_durable:
-                fn(batch.seq, batch.opened_at if batch.opened_at is not None else started)
-            for fn in batch.after_durable:
-                fn()
+
+    async def _commit_sealed(self, batch: Batch,
+                             persist: Callable[[list[tuple[int, int]]], None],
+                             limiter: trio.CapacityLimiter) -> bool:
+        """Make the sealed batch (`_committing`) durable and tell its waiters.
+        False when the commit failed (the filesystem is read-only now).
+
+        Cancelled before its transaction committed, the batch stays in
+        `_committing`, and the next run_committer commits it before any newer
+        one: batches become durable in the order they were sealed, none skipped.
+        """
+        started = time.monotonic()
+        try:
+            room = await self._commit_until_room(batch, persist, limiter)
+        except BaseException as e:  # noqa: BLE001 - any failure makes us read-only
+            if isinstance(e, trio.Cancelled):
+                raise
+            log.error("index commit of batch %d failed: %s; filesystem is now read-only",
+                      batch.seq, e)
+            self.failure = e
             self._durable_changed.set()
             self._durable_changed = trio.Event()
+            return False
+        if failing_at("commit-durable"):
+            raise RuntimeError(f"failure injected after batch {batch.seq} became durable "
+                               "(CKPTFS_DEBUG_FAIL)")
+        self._renew_read_txn()
+        self._committing = None
+        self.durable_seq = batch.seq
+        self._promised_total -= batch.promised_bytes
+        if room is not None:
+            self.room_bytes = room
+        self.stalled = None
+        self._note_room()
+        elapsed = time.monotonic() - started
+        self.commits += 1
+        self.commit_seconds_total += elapsed
+        if self.on_commit is not None:
+            self.on_commit(elapsed)
+        for fn in self.on_durable:
+            fn(batch.seq, batch.opened_at if batch.opened_at is not None else started)
+        for fn in batch.after_durable:
+            fn()
+        self._durable_changed.set()
+        self._durable_changed = trio.Event()
+        return True
 
     async def _commit_until_room(self, batch: Batch,
                                  persist: Callable[[list[tuple[int, int]]], None],
