@@ -95,6 +95,10 @@ class Tierer:
         if self.publisher is not None and not setup.read_only:
             self.publishing = PublishLoop(index, self, self.publisher, setup.publish_delay_s,
                                           setup.policy.pack_bytes)
+        # A pass plans and packs under the publish lock: a chunk a round is
+        # copying meanwhile would otherwise be packed twice, the second copy
+        # dead weight in the store until gc (a small store filled with them).
+        self._copying = self.publisher.lock if self.publishing is not None else trio.Lock()
         if setup.read_only:
             self.fence("mounted read-only")     # cold reads only: nothing is moved
         self._wake = trio.Event()
@@ -240,10 +244,9 @@ class Tierer:
                 self._moved.set()
                 self._moved = trio.Event()
 
-    async def _pass(self, everything: bool, progress: Optional[Progress],
-                    until_free: Optional[int] = None) -> int:
-        """One pass. until_free: a writer waits; stop once the log has that much
-        free. A background pass stops early too when a writer waits for room."""
+    async def _plan_and_move(self, everything: bool, progress: Optional[Progress],
+                             until_free: Optional[int]) -> int:
+        """The pass's plan and moves (the caller holds the publish lock)."""
         self._urgent = False
         self._planned_seq = self.index.durable_seq
         chunks = self.planner.plan(set(self.open_inos()), self.reclaimer.pinned,
@@ -273,6 +276,14 @@ class Tierer:
                     break
             elif self._writers_waiting and progress is None:
                 break               # let the waiting writer's pass have the lock
+        return moved
+
+    async def _pass(self, everything: bool, progress: Optional[Progress],
+                    until_free: Optional[int] = None) -> int:
+        """One pass. until_free: a writer waits; stop once the log has that much
+        free. A background pass stops early too when a writer waits for room."""
+        async with self._copying:
+            moved = await self._plan_and_move(everything, progress, until_free)
         if pausing_at("pass-done"):
             await self.index.wait_durable(self.index.current_seq())
             await pause("pass-done")

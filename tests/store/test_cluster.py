@@ -25,7 +25,7 @@ import pytest
 from ckptfs.backing import open_backend
 from ckptfs import volumes
 
-from mounting import MOUNT_HELPER, is_mounted, run_ckptfs
+from mounting import CKPTFS, MOUNT_HELPER, REPO, is_mounted, run_ckptfs
 from posix_helpers import read_file, write_file
 from test_backing import s3_client
 from test_s3 import aws_env
@@ -536,6 +536,37 @@ def test_sigkill_while_a_copy_is_written_loses_nothing(make_mount, dir_store, mo
     b.start([f"backing={dir_store.location}", "volume=a", "publish_delay=off"])
     verify(b.path, files)
     fsck_clean(b)
+
+
+def test_a_tiering_pass_during_a_copy_packs_nothing_twice(make_mount, dir_store, monkeypatch,
+                                                          tmp_path, fsck_clean):
+    """A tiering pass begun while a publishing round writes its copies (the
+    mover's pause hook holds that copy half written) waits for the round and
+    then only drops the log copies: it writes no pack of its own. Before, it
+    packed the same chunks again, a dead second copy that took the store's
+    room (a 40 MiB store then gave writers ENOSPC)."""
+    marker = tmp_path / "paused"
+    monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"pack-writing:{marker}")
+    a = node(make_mount, dir_store, "a", "hot_versions=100")
+    monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
+    files = write_version(a.path, 1, size=8 * MiB)
+    wait_for(marker.exists, 60, "the round's copy paused half written")
+    tier = subprocess.Popen(CKPTFS + ["tier", str(a.path), "--now", "--all"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: a.stat()["tier_state"] == "moving", 60, "the pass began")
+        time.sleep(1)               # long enough for a pass that does not wait to plan
+        marker.unlink()
+        out, err = tier.communicate(timeout=300)
+    finally:
+        tier.kill()
+    assert tier.returncode == 0, err
+    st = a.stat()
+    assert st["tier_packs_written"] == 0, st
+    assert st["cold_bytes"] > 0 and st["publish_backlog_bytes"] == 0, st
+    verify(a.path, files)
+    a.umount()
+    fsck_clean(a)
 
 
 def test_an_index_from_before_publishing_publishes_its_hot_data(make_mount, dir_store):
