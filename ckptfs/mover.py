@@ -60,7 +60,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import outcome
 import trio
@@ -81,6 +81,7 @@ if TYPE_CHECKING:
     from .chunkindex import SharedChunks
     from .sources import SourceFiles
 
+T = TypeVar("T")
 log = logging.getLogger("ckptfs.tier")
 
 # Room a pack leaves free in the backing store: file system blocks and
@@ -232,14 +233,16 @@ class Mover:
         self.moved_bytes += moved
         return moved
 
-    async def move_batch(self, batch: list[Chunk], copy: bool = False) -> tuple[int, int]:
-        """Pack a prefix of batch (all of it if the store has room); return how
-        many chunks it took and the logical bytes moved (copied: `copy`)."""
+    async def _new_pack(self, write_blocking: Callable[..., T], *args) -> tuple[int, T]:
+        """A new pack of this volume: its number, its intent durable, then
+        `write_blocking(pack_no, *args)` on the mover's thread. Returns the
+        number (still in `writing`: the caller's flip takes it out) and what
+        the write returned. On failure the intent goes if no byte was begun;
+        once begun, the pack may be in the store: a leftover for the collector."""
         if self.fenced is not None:
             raise Fenced(self.fenced)
         self.fence.check("no pack is written: ")
         pack_no = self.index.allocate_id(b"next_pack")
-        epoch = self.reclaimer.begin_read()  # the log bytes we read stay put meanwhile
         self.writing.add(pack_no)
         started = False
         try:
@@ -248,7 +251,7 @@ class Mover:
             ix.put_pack_intent(self.index, pack_no, time.time_ns())
             await self.index.wait_durable(self.index.current_seq())
             started = True
-            written = await self._thread.run(self._write_pack_blocking, pack_no, batch)
+            return pack_no, await self._thread.run(write_blocking, pack_no, *args)
         except StoreAhead as e:
             self.fence.close(e)
             self.writing.discard(pack_no)
@@ -262,6 +265,13 @@ class Mover:
             elif self.index.failure is None:
                 ix.delete_pack_intent(self.index, pack_no)   # never begun (unmount)
             raise
+
+    async def move_batch(self, batch: list[Chunk], copy: bool = False) -> tuple[int, int]:
+        """Pack a prefix of batch (all of it if the store has room); return how
+        many chunks it took and the logical bytes moved (copied: `copy`)."""
+        epoch = self.reclaimer.begin_read()  # the log bytes we read stay put meanwhile
+        try:
+            pack_no, written = await self._new_pack(self._write_pack_blocking, batch)
         finally:
             self.reclaimer.end_read(epoch)
         entries, size = written
@@ -283,31 +293,8 @@ class Mover:
         size, where the packed bytes end in the original, [(offset in the
         original, entry)]); `flip_source` names them. DamagedData (SourceRefused
         included) when the original cannot be read as the file adopted."""
-        if self.fenced is not None:
-            raise Fenced(self.fenced)
-        self.fence.check("no pack is written: ")
-        pack_no = self.index.allocate_id(b"next_pack")
-        self.writing.add(pack_no)
-        started = False
-        try:
-            ix.put_pack_intent(self.index, pack_no, time.time_ns())
-            await self.index.wait_durable(self.index.current_seq())
-            started = True
-            pieces, end, size = await self._thread.run(self._pack_source_blocking, pack_no,
-                                                       sources, chunk, start, pack_bytes)
-        except StoreAhead as e:
-            self.fence.close(e)
-            self.writing.discard(pack_no)
-            if self.index.failure is None:
-                ix.delete_pack_intent(self.index, pack_no)
-            raise
-        except BaseException:
-            self.writing.discard(pack_no)
-            if started:
-                self._failed_write.set()
-            elif self.index.failure is None:
-                ix.delete_pack_intent(self.index, pack_no)
-            raise
+        pack_no, (pieces, end, size) = await self._new_pack(
+            self._pack_source_blocking, sources, chunk, start, pack_bytes)
         self.copy_packs_written += 1
         return pack_no, size, end, pieces
 
@@ -596,30 +583,7 @@ class Mover:
         much as a PACK chunk; the packs they were in then die for this volume
         like any other. The same intent and flip as a move. Returns how many
         chunks moved."""
-        if self.fenced is not None:
-            raise Fenced(self.fenced)
-        self.fence.check("no pack is written: ")
-        pack_no = self.index.allocate_id(b"next_pack")
-        self.writing.add(pack_no)
-        started = False
-        try:
-            ix.put_pack_intent(self.index, pack_no, time.time_ns())
-            await self.index.wait_durable(self.index.current_seq())
-            started = True
-            entries, size = await self._thread.run(self._repack_blocking, pack_no, batch)
-        except StoreAhead as e:
-            self.fence.close(e)
-            self.writing.discard(pack_no)
-            if self.index.failure is None:
-                ix.delete_pack_intent(self.index, pack_no)
-            raise
-        except BaseException:
-            self.writing.discard(pack_no)
-            if started:
-                self._failed_write.set()
-            elif self.index.failure is None:
-                ix.delete_pack_intent(self.index, pack_no)
-            raise
+        pack_no, (entries, size) = await self._new_pack(self._repack_blocking, batch)
         if size:
             ix.put_pack(self.index, ix.PackInfo(pack_no, 0, 0, size))
         ix.delete_pack_intent(self.index, pack_no)
