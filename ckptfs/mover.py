@@ -298,21 +298,26 @@ class Mover:
         self.copy_packs_written += 1
         return pack_no, size, end, pieces
 
+    def _refuse_if_in_store_blocking(self, name: str) -> None:
+        """StoreAhead if pack `name` is in the store already: pack numbers are
+        never reused, so this index is older than the store (restored from a
+        copy) or another filesystem writes packs there. May block."""
+        try:
+            self.backend.size(name)
+        except BlobMissing:
+            return
+        raise StoreAhead(f"{self.backend.url}: {name} is in the store already: this "
+                         "index is older than the store (restored from a copy?) or another "
+                         "filesystem writes packs there; ckptfs fsck --repair raises its "
+                         "counter")
+
     def _pack_source_blocking(self, pack_no: int, sources: "SourceFiles", chunk: Chunk,
                               start: int, pack_bytes: int
                               ) -> tuple[list[tuple[int, packs.PackEntry]], int, int]:
         """Read, cut, compress and pack the original from `start`; commit the
         pack. Returns the pieces, where they end, and the pack's size. May block."""
         name = packs.pack_name(pack_no)
-        try:
-            self.backend.size(name)
-        except BlobMissing:
-            pass
-        else:
-            raise StoreAhead(f"{self.backend.url}: {name} is in the store already: this "
-                             "index is older than the store (restored from a copy?) or another "
-                             "filesystem writes packs there; ckptfs fsck --repair raises its "
-                             "counter")
+        self._refuse_if_in_store_blocking(name)
         room = self._room_blocking()
         writer = packs.PackWriter.create(self.backend, name)
         chunker = Chunker()
@@ -439,17 +444,7 @@ class Mover:
         if pausing_at("pack-begin"):
             pause_blocking("pack-begin")
         name = packs.pack_name(pack_no)
-        try:
-            self.backend.size(name)
-        except BlobMissing:
-            pass
-        else:
-            # Pack numbers are never reused: this index is older than the store
-            # (restored from a copy), or another filesystem writes packs there.
-            raise StoreAhead(f"{self.backend.url}: {name} is in the store already: this "
-                             "index is older than the store (restored from a copy?) or another "
-                             "filesystem writes packs there; ckptfs fsck --repair raises its "
-                             "counter")
+        self._refuse_if_in_store_blocking(name)
         room = self._room_blocking()
         shared = self.shared
         if shared is not None:
@@ -613,15 +608,7 @@ class Mover:
         """Read each chunk's stored payload (CRC checked) and pack it as it is;
         commit. A chunk that cannot be read stays where it is (None). May block."""
         name = packs.pack_name(pack_no)
-        try:
-            self.backend.size(name)
-        except BlobMissing:
-            pass
-        else:
-            raise StoreAhead(f"{self.backend.url}: {name} is in the store already: this "
-                             "index is older than the store (restored from a copy?) or another "
-                             "filesystem writes packs there; ckptfs fsck --repair raises its "
-                             "counter")
+        self._refuse_if_in_store_blocking(name)
         room = self._room_blocking()
         need = sum(c.stored_length + packs.ENTRY_BYTES for c in batch) + packs.FOOTER_BYTES
         if room is not None and need > room:
