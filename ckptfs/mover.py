@@ -569,6 +569,19 @@ class Mover:
 
     # ------------------------------------------------------------ repacking
 
+    def _rename_to_entry(self, cur: Chunk, pack_no: int, e: "packs.PackEntry") -> None:
+        """Point a chunk that has a store copy at entry `e` of pack `pack_no`
+        instead: a LOG chunk's copy moves there (its log bytes stay), a PACK
+        chunk moves there whole."""
+        if cur.kind == CHUNK_LOG:
+            ix.copy_to_pack(self.index, cur, pack_no, e.offset, e.stored_length, e.codec,
+                            e.param, e.crc, e.chunk_id)
+        else:
+            ix.move_chunk(self.index, cur, Chunk(
+                cur.chunk_no, CHUNK_PACK, cur.refcount, cur.length, pack_no=pack_no,
+                pack_off=e.offset, stored_length=e.stored_length, codec=e.codec,
+                codec_param=e.param, payload_crc=e.crc, chunk_id=cur.chunk_id))
+
     async def repack(self, batch: list[Chunk]) -> int:
         """gc: chunks in the store whose pack should not stay alive for them
         (an own pack mostly unused since its other chunks were renamed to
@@ -590,14 +603,7 @@ class Mover:
             if cur is None or not cur.in_store or cur.pack_no != old.pack_no \
                     or cur.pack_off != old.pack_off:
                 continue                # gone or moved meanwhile: this copy is dead
-            if cur.kind == CHUNK_LOG:
-                ix.copy_to_pack(self.index, cur, pack_no, e.offset, e.stored_length, e.codec,
-                                e.param, e.crc, e.chunk_id)
-            else:
-                ix.move_chunk(self.index, cur, Chunk(
-                    cur.chunk_no, CHUNK_PACK, cur.refcount, cur.length, pack_no=pack_no,
-                    pack_off=e.offset, stored_length=e.stored_length, codec=e.codec,
-                    codec_param=e.param, payload_crc=e.crc, chunk_id=cur.chunk_id))
+            self._rename_to_entry(cur, pack_no, e)
             moved += 1
         self.writing.discard(pack_no)
         self.repacked_chunks += moved
@@ -688,14 +694,7 @@ class Mover:
             if pack_no not in usable or pack_no in shared.no_adopt or cur is None \
                     or not cur.in_store or cur.pack_no <= pack_no:
                 continue                # changed meanwhile
-            if cur.kind == CHUNK_LOG:
-                ix.copy_to_pack(self.index, cur, pack_no, e.offset, e.stored_length, e.codec,
-                                e.param, e.crc, e.chunk_id)
-            else:
-                ix.move_chunk(self.index, cur, Chunk(
-                    cur.chunk_no, CHUNK_PACK, cur.refcount, cur.length, pack_no=pack_no,
-                    pack_off=e.offset, stored_length=e.stored_length, codec=e.codec,
-                    codec_param=e.param, payload_crc=e.crc, chunk_id=cur.chunk_id))
+            self._rename_to_entry(cur, pack_no, e)
             moved += 1
             shared.adopted_chunks += 1
             shared.adopted_bytes += cur.length
