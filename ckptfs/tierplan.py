@@ -152,9 +152,13 @@ class Planner:
         cold (`ckptfs tier --now --all`, a writer waiting for room)."""
         versions, paths = self.versions()
         hot = [] if everything else versions[:self.policy.hot_versions]
-        cold = [] if everything else versions[self.policy.hot_versions:]
-        if everything:
-            cold = versions
+        cold = versions if everything else versions[self.policy.hot_versions:]
+        over_watermark = not everything and self.log_use() > self.policy.high_watermark
+        if not cold and not over_watermark:
+            # Nothing can be chosen, so the walk over every hot extent (which runs
+            # on the trio thread, after every commit) would be wasted: a pass right
+            # after a 2 GiB write walked 32,000 extents while the file was read.
+            return Plan([], cold, paths)
         keep: set[int] = set(pinned)
         for ino in open_inos:
             keep.update(e.chunk_no for e in ix.iter_extents(self.index, ino))
@@ -166,7 +170,7 @@ class Planner:
         self._choose(cold, keep | hot_chunks, open_inos, chosen)
         # Over the high watermark: hot versions go too, oldest first, until what
         # this pass moves brings the log under the low watermark.
-        if not everything and self.log_use() > self.policy.high_watermark:
+        if over_watermark:
             excess = (self.log_use() - self.policy.low_watermark) * self.log.capacity_bytes
             excess -= sum(c.length for c in chosen.values())
             while hot and excess > 0:

@@ -593,3 +593,33 @@ def test_saves_into_one_directory_are_separate_versions(make_mount):
         assert sorted(len(v.files) for v in versions) == [1, 1, 1, 1], versions
     finally:
         state.close()
+
+
+def test_a_plan_with_no_cold_version_walks_no_extent(inproc, monkeypatch):
+    """The planner runs on the trio thread after every commit: with every version
+    hot and the log under its watermark it must not walk the files' extents
+    (a 2 GiB file is 32,000 of them, read while the file is being restored)."""
+    from ckptfs import tierplan
+
+    fs = inproc(["pmem_size=64M", "hot_versions=2"])
+
+    async def save_two_versions(fs) -> None:
+        for i in range(2):
+            fs.mkdir(f"v{i}")
+            await fs.write_file(f"v{i}/model.pt", pattern(MiB, i))
+
+    fs.run(save_two_versions, mover=False)
+    walked = []
+    real_iter_extents = tierplan.ix.iter_extents
+
+    def counting_iter_extents(index, ino, *args, **kwargs):
+        walked.append(ino)
+        return real_iter_extents(index, ino, *args, **kwargs)
+
+    monkeypatch.setattr(tierplan.ix, "iter_extents", counting_iter_extents)
+    planner = fs.fs.tierer.planner
+    assert planner.log_use() < planner.policy.high_watermark
+    assert planner.plan(set(), set()).chunks == [] and walked == []
+    # One version cold: now the walk happens and chooses that version's chunks.
+    planner.policy.hot_versions = 1
+    assert sum(c.length for c in planner.plan(set(), set()).chunks) == MiB and walked
