@@ -148,6 +148,17 @@ def gone(m) -> None:
     shutil.rmtree(m.source / ".ckptfs")
 
 
+def restored_on_a_new_node(a, make_mount, store):
+    """Node a is gone; a new node recovers volume a from the store alone and
+    mounts it (publishing off): returns that mount."""
+    gone(a)
+    b = make_mount(options=["pmem_size=128M"], start=False)
+    res = recover(b, store, "a")
+    assert res.returncode == 0, res.stdout + res.stderr
+    b.start([f"backing={store.location}", "volume=a", "publish_delay=off"])
+    return b
+
+
 # ------------------------------------------------------------------- publishing
 
 def test_every_commit_is_published_within_the_delay_and_stays_hot(make_mount, store,
@@ -218,10 +229,7 @@ def test_a_store_outage_grows_the_lag_never_blocks_writers_and_catches_up(make_m
     assert sync_published(a, timeout_s=180).returncode == 0
     st = a.stat()
     assert st["publish_lag_s"] == 0 and st["publish_last_error"] is None, st
-    gone(a)
-    b = make_mount(options=["pmem_size=128M"], start=False)
-    assert recover(b, store, "a").returncode == 0
-    b.start([f"backing={store.location}", "volume=a", "publish_delay=off"])
+    b = restored_on_a_new_node(a, make_mount, store)
     verify(b.path, first)
     verify(b.path, second)
 
@@ -256,10 +264,7 @@ def test_a_round_failing_after_a_covering_head_leaves_no_stale_error(make_mount,
     st = a.stat()
     assert st["publish_lag_s"] == 0 and st["publish_last_error"] is None, st
     assert st["publish_state"] == "idle", st
-    gone(a)
-    b = make_mount(options=["pmem_size=128M"], start=False)
-    assert recover(b, store, "a").returncode == 0
-    b.start([f"backing={store.location}", "volume=a", "publish_delay=off"])
+    b = restored_on_a_new_node(a, make_mount, store)
     verify(b.path, first)
     verify(b.path, second)
 
@@ -290,10 +295,7 @@ def test_a_head_of_gc_does_not_count_as_published(make_mount, dir_store, monkeyp
     assert sync_published(a).returncode == 0
     st = a.stat()
     assert st["publish_backlog_bytes"] == 0 and st["publish_lag_s"] == 0, st
-    gone(a)
-    b = make_mount(options=["pmem_size=128M"], start=False)
-    assert recover(b, dir_store, "a").returncode == 0
-    b.start([f"backing={dir_store.location}", "volume=a", "publish_delay=off"])
+    b = restored_on_a_new_node(a, make_mount, dir_store)
     verify(b.path, second)
 
 
@@ -367,11 +369,7 @@ def test_an_adopted_file_open_while_it_is_packed_keeps_its_changes(make_mount, d
     assert sync_published(a).returncode == 0
     a.remount()
     verify(a.path, {"read.bin": data, "write.bin": changed})
-    gone(a)
-    b = make_mount(options=["pmem_size=128M"], start=False)
-    res = recover(b, dir_store, "a")
-    assert res.returncode == 0, res.stdout + res.stderr
-    b.start([f"backing={dir_store.location}", "volume=a", "publish_delay=off"])
+    b = restored_on_a_new_node(a, make_mount, dir_store)
     verify(b.path, {"read.bin": data, "write.bin": changed})
 
 
@@ -592,10 +590,7 @@ def test_an_index_from_before_publishing_publishes_its_hot_data(make_mount, dir_
     a.start()
     assert sync_published(a).returncode == 0
     assert a.stat()["publish_backlog_bytes"] == 0
-    gone(a)
-    b = make_mount(options=["pmem_size=128M"], start=False)
-    assert recover(b, dir_store, "a").returncode == 0
-    b.start([f"backing={dir_store.location}", "volume=a", "publish_delay=off"])
+    b = restored_on_a_new_node(a, make_mount, dir_store)
     verify(b.path, files)
 
 

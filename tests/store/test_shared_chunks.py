@@ -46,6 +46,36 @@ def published(*mounts) -> None:
         run_ckptfs("sync", "--published", str(m.path))
 
 
+def nodes_paused_at_their_first_pack(make_mount, tmp_path: Path, store: str,
+                                     monkeypatch) -> list:
+    """nodeA and nodeB, each pausing its first pack write (the debug hook) until
+    `release_both_packs` sees both paused: they pack the same bytes at once."""
+    nodes = []
+    for name in ("nodeA", "nodeB"):
+        monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"pack-writing:{tmp_path / name}.paused")
+        nodes.append(node(make_mount, tmp_path, name, store))
+    monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
+    return nodes
+
+
+def release_both_packs(tmp_path: Path) -> None:
+    markers = [tmp_path / "nodeA.paused", tmp_path / "nodeB.paused"]
+    deadline = time.monotonic() + 120
+    while not all(p.exists() for p in markers):
+        assert time.monotonic() < deadline, "the nodes never both started a pack"
+        time.sleep(0.05)
+    for p in markers:
+        p.unlink()
+
+
+def gc_past_the_heads(nodes) -> None:
+    """Five rounds of a tiny commit and gc on every node: past the heads each keeps."""
+    for _ in range(5):
+        for m in nodes:
+            (m.path / "tick").write_bytes(os.urandom(100))
+            run_ckptfs("gc", str(m.path))
+
+
 def recover_and_check(tmp_path: Path, make_mount, store: str, volume: str,
                       want: dict[str, bytes]) -> None:
     """Rebuild the volume on a fresh SOURCE from the store alone; every byte back."""
@@ -186,29 +216,16 @@ def test_copies_two_nodes_stored_at_once_become_one(make_mount, tmp_path, fsck_c
     the smaller number on both, and the other copy's pack goes."""
     store = tmp_path / "store"
     store.mkdir()
-    nodes = []
-    for name in ("nodeA", "nodeB"):
-        monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"pack-writing:{tmp_path / name}.paused")
-        nodes.append(node(make_mount, tmp_path, name, str(store)))
-    monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
+    nodes = nodes_paused_at_their_first_pack(make_mount, tmp_path, str(store), monkeypatch)
     a, b = nodes
     frozen = os.urandom(16 * MiB)
     (a.path / "frozen.bin").write_bytes(frozen)
     (b.path / "frozen.bin").write_bytes(frozen)
-    markers = [tmp_path / "nodeA.paused", tmp_path / "nodeB.paused"]
-    deadline = time.monotonic() + 120
-    while not all(p.exists() for p in markers):
-        assert time.monotonic() < deadline, "the nodes never both started a pack"
-        time.sleep(0.05)
-    for p in markers:
-        p.unlink()
+    release_both_packs(tmp_path)
     published(a, b)
     twice = store_bytes(store)
     assert twice > 30 * MiB                              # two copies, as set up
-    for _ in range(5):                                     # past the heads each keeps
-        for m in (a, b):
-            (m.path / "tick").write_bytes(os.urandom(100))
-            run_ckptfs("gc", str(m.path))
+    gc_past_the_heads(nodes)
     once = store_bytes(store)
     assert once < 17 * MiB, (twice, once)
     for m in (a, b):
@@ -229,31 +246,18 @@ def test_copies_packed_at_once_beside_chunks_of_their_own_become_one(make_mount,
     what is still used of them into a new pack, and the old packs go."""
     store = tmp_path / "store"
     store.mkdir()
-    nodes = []
-    for name in ("nodeA", "nodeB"):
-        monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"pack-writing:{tmp_path / name}.paused")
-        nodes.append(node(make_mount, tmp_path, name, str(store)))
-    monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
+    nodes = nodes_paused_at_their_first_pack(make_mount, tmp_path, str(store), monkeypatch)
     frozen = os.urandom(16 * MiB)
     own = {}
     for m in nodes:
         own[m.path.name] = os.urandom(2 * MiB)
         (m.path / "frozen.bin").write_bytes(frozen)
         (m.path / "trained.bin").write_bytes(own[m.path.name])
-    markers = [tmp_path / "nodeA.paused", tmp_path / "nodeB.paused"]
-    deadline = time.monotonic() + 120
-    while not all(p.exists() for p in markers):
-        assert time.monotonic() < deadline, "the nodes never both started a pack"
-        time.sleep(0.05)
-    for p in markers:
-        p.unlink()
+    release_both_packs(tmp_path)
     published(*nodes)
     twice = store_bytes(store)
     assert twice > 34 * MiB                              # two copies, as set up
-    for _ in range(5):                                     # past the heads each keeps
-        for m in nodes:
-            (m.path / "tick").write_bytes(os.urandom(100))
-            run_ckptfs("gc", str(m.path))
+    gc_past_the_heads(nodes)
     once = store_bytes(store)
     assert once < 21 * MiB, (twice, once)                # 16 + 2 + 2 MiB, and framing
     for m in nodes:
