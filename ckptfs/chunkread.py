@@ -353,20 +353,18 @@ class ChunkReader:
         Each read continues from where the last one's look-ahead stopped, so a
         sequential restore scans every extent once, not once per read.
         """
-        want = self.prefetcher.depth_chunks
+        depth = self.prefetcher.depth_bytes
         horizon = self._ahead.get(ino, 0)
-        if horizon > off + want * 32 * 1024:
+        if horizon > off + depth // 2:
             return []               # far enough ahead already
         start = max(off, horizon) if horizon <= off + AHEAD_RESCAN_BYTES else off
         out = []
         end = start
-        for e in ix.iter_extents(self.index, ino, start, file_size):
+        for e in ix.iter_extents(self.index, ino, start, min(off + depth, file_size)):
             end = e.end
             chunk = ix.get_chunk(self.index, e.chunk_no)
             if chunk is not None and chunk.kind == CHUNK_PACK:
                 out.append(chunk)
-                if len(out) >= want:
-                    break
         self._ahead[ino] = max(end, start)
         return out
 

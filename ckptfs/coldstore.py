@@ -5,12 +5,14 @@ prefetcher that reads them ahead of a sequential reader.
 CRC, decompresses it (`codec`) and verifies its BLAKE3 id before a byte is
 used; decoded chunks stay in a bounded LRU cache, and a chunk being fetched
 by one thread is waited for, not fetched again, by the others. Neighbours in
-a pack come with one read. It is thread-safe; `get`, `get_many` and
-`read_into` may block (worker threads only). It may not write to the store
-nor touch the index: the records it is given say where each chunk is.
+a pack come with one read, into a buffer the thread keeps, and one native
+call checks all their CRCs and the ids of the raw ones (GIL released). It
+is thread-safe; `get`, `get_many` and `read_into` may block (worker threads
+only). It may not write to the store nor touch the index: the records it is
+given say where each chunk is.
 
-`Prefetcher` fetches chunks into the cache in the background, a few per
-worker-thread call, at most two calls at a time, from a nursery it runs in
+`Prefetcher` fetches chunks into the cache in the background, about 2 MiB
+per worker-thread call, at most two calls at a time, from a nursery it runs in
 (`run`, started by whoever supervises the mount's background tasks); asked
 before it runs, or after, it does nothing. It runs on the trio thread.
 """
@@ -31,8 +33,28 @@ from .chunker import chunk_id
 from .errors import CkptfsError, DamagedData
 from .index import CHUNK_PACK, Chunk
 
-PREFETCH_BATCH = 8               # cold chunks per prefetch call
+PREFETCH_BATCH_BYTES = 2 << 20   # cold chunk bytes per prefetch call
 PREFETCH_THREADS = 2             # prefetch calls running at once
+
+# The native check hashes raw payloads itself when the module has BLAKE3;
+# an all-zero id in its input means "not this one".
+_NATIVE_IDS = native.chunk_feed_hashes()
+_NO_ID = bytes(32)
+
+# A run of neighbours in a pack is read at most this much at a time, into a
+# buffer each thread keeps: no fresh pages (faults, zeroing) per read.
+SPAN_BYTES = 4 << 20
+_spans = threading.local()
+
+
+def _span_buffer(size: int) -> memoryview:
+    """This thread's span buffer, size bytes of it (a chunk alone may be larger)."""
+    buf = getattr(_spans, "buf", None)
+    if size > SPAN_BYTES:
+        return memoryview(bytearray(size))
+    if buf is None:
+        buf = _spans.buf = memoryview(bytearray(SPAN_BYTES))
+    return buf[:size]
 
 
 class ColdStore:
@@ -96,7 +118,7 @@ class ColdStore:
             if isinstance(data, bytes):
                 return data
             # Too big to cache (never for real chunks): fetch it for ourselves.
-            return self._decode(chunk, self._payloads([chunk])[0])
+            return self._verified([chunk])[0]
 
     def get_many(self, chunks: list[Chunk]) -> None:
         """Fetch chunks into the cache, neighbours in a pack with one read. May block."""
@@ -122,8 +144,7 @@ class ColdStore:
 
     def _fetch_claimed(self, chunks: list[Chunk]) -> None:
         try:
-            for chunk, payload in zip(chunks, self._payloads(chunks)):
-                data = self._decode(chunk, payload)
+            for chunk, data in zip(chunks, self._verified(chunks)):
                 with self._lock:
                     if chunk.chunk_id not in self._cache and len(data) <= self.cache_limit:
                         self._cache[chunk.chunk_id] = data
@@ -139,8 +160,12 @@ class ColdStore:
                     if ev is not None:
                         ev.set()
 
-    def _payloads(self, chunks: list[Chunk]) -> list[bytes]:
-        """Stored payloads, CRC-checked; a run of neighbours in one pack is one read.
+    def _verified(self, chunks: list[Chunk]) -> list[bytes]:
+        """The chunks' bytes, checked: each payload's CRC, then decoded and
+        its BLAKE3 id. A run of neighbours in one pack is one read and one
+        native call that checks every payload's CRC, and the id of every raw
+        one (a raw payload is the chunk's bytes), GIL released; encoded
+        chunks are decoded and their ids checked here.
 
         Records are checked first (kind, lengths within MAX_CHUNK_BYTES): a
         damaged one is DamagedData before anything is read or allocated."""
@@ -153,22 +178,43 @@ class ColdStore:
         while i < len(chunks):
             j = i + 1
             while (j < len(chunks) and chunks[j].pack_no == chunks[i].pack_no
-                   and chunks[j].pack_off == chunks[j - 1].pack_off + chunks[j - 1].stored_length):
+                   and chunks[j].pack_off == chunks[j - 1].pack_off + chunks[j - 1].stored_length
+                   and chunks[j].pack_off + chunks[j].stored_length - chunks[i].pack_off
+                   <= SPAN_BYTES):
                 j += 1
             first, last = chunks[i], chunks[j - 1]
             name = packs.pack_name(first.pack_no)
+            span = _span_buffer(last.pack_off + last.stored_length - first.pack_off)
             try:
-                span = self.backend.read(name, first.pack_off,
-                                         last.pack_off + last.stored_length - first.pack_off)
+                self.backend.read_into(name, first.pack_off, span)
             except CkptfsError as e:
                 raise DamagedData(f"cold chunk {first.chunk_no} in {name}: {e}") from e
-            view = memoryview(span)
-            for c in chunks[i:j]:
-                payload = view[c.pack_off - first.pack_off:][:c.stored_length]
-                if native.crc32c(payload) != c.payload_crc:
-                    raise DamagedData(f"cold chunk {c.chunk_no} in {name}: payload checksum "
-                                      "mismatch")
-                out.append(payload)
+            run = chunks[i:j]
+            offs = [c.pack_off - first.pack_off for c in run]
+            # Ids the native call checks: raw payloads' (zeros: checked after decoding).
+            raw = [_NATIVE_IDS and c.codec == codec.CODEC_RAW and c.chunk_id != _NO_ID
+                   for c in run]
+            ids = b"".join(c.chunk_id if r else _NO_ID for c, r in zip(run, raw)) \
+                if _NATIVE_IDS else None
+            k, what = native.verify_payloads(span, offs, [c.stored_length for c in run],
+                                             [c.payload_crc for c in run], ids)
+            if k < len(run):
+                bad = run[k]
+                if what == native.VERIFY_ID:
+                    raise DamagedData(f"cold chunk {bad.chunk_no} in {name}: bytes do not match "
+                                      "the chunk id")
+                raise DamagedData(f"cold chunk {bad.chunk_no} in {name}: payload checksum "
+                                  "mismatch")
+            for c, off, checked in zip(run, offs, raw):
+                payload = span[off:off + c.stored_length]
+                if not checked:
+                    out.append(self._decode(c, payload))
+                elif c.codec_param != 0 or c.stored_length != c.length:
+                    raise DamagedData(f"cold chunk {c.chunk_no} in {name}: a raw payload of "
+                                      f"{c.stored_length} bytes (param {c.codec_param}) "
+                                      f"for a {c.length}-byte chunk")
+                else:
+                    out.append(bytes(payload))
             i = j
         self.fetches += len(chunks)
         self.fetched_bytes += sum(c.stored_length for c in chunks)
@@ -189,9 +235,11 @@ class ColdStore:
 class Prefetcher:
     """Cold chunks into the cold store's cache, ahead of readers, in the background."""
 
-    def __init__(self, cold: ColdStore, depth_chunks: int) -> None:
+    def __init__(self, cold: ColdStore, depth_bytes: int) -> None:
         self.cold = cold
-        self.depth_chunks = depth_chunks        # chunks read ahead of a sequential reader
+        # File bytes read ahead of a sequential reader: more than the kernel's
+        # own read-ahead (16 MiB), so its READs find their chunks decoded.
+        self.depth_bytes = depth_bytes
         self._limiter = trio.CapacityLimiter(PREFETCH_THREADS)
         self._nursery: Optional[trio.Nursery] = None
 
@@ -206,13 +254,23 @@ class Prefetcher:
             self._nursery = None
 
     def prefetch(self, chunks: list[Chunk]) -> None:
-        """Fetch these cold chunks into the cache in the background, a few per
-        worker-thread call (neighbours in a pack come with one read)."""
+        """Fetch these cold chunks into the cache in the background, about
+        PREFETCH_BATCH_BYTES per worker-thread call (neighbours in a pack
+        come with one read)."""
         if self._nursery is None:
             return
-        todo = [c for c in chunks if not self.cold.cached(c)]
-        for i in range(0, len(todo), PREFETCH_BATCH):
-            self._nursery.start_soon(self._fetch, todo[i:i + PREFETCH_BATCH])
+        batch: list[Chunk] = []
+        size = 0
+        for c in chunks:
+            if self.cold.cached(c):
+                continue
+            batch.append(c)
+            size += c.length
+            if size >= PREFETCH_BATCH_BYTES:
+                self._nursery.start_soon(self._fetch, batch)
+                batch, size = [], 0
+        if batch:
+            self._nursery.start_soon(self._fetch, batch)
 
     async def _fetch(self, chunks: list[Chunk]) -> None:
         try:

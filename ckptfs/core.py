@@ -92,7 +92,7 @@ class Filesystem:
             # Compression libraries only when tiering.
             from .coldstore import ColdStore, Prefetcher
             cold = ColdStore(tiering.backend, tiering.policy.cache_bytes)
-            prefetcher = Prefetcher(cold, tiering.policy.prefetch_chunks)
+            prefetcher = Prefetcher(cold, tiering.policy.prefetch_bytes)
         self.files = FileData(index, plog, sources, dedup=dedup, cold=cold,
                               prefetcher=prefetcher, io_limiter=self.io_limiter)
         self.policy = policy

@@ -71,6 +71,33 @@ def crc32c_blocks(data: Buffer, block_size: int) -> bytes:
     return ffi.buffer(out)[:]
 
 
+# What verify_payloads found wrong (ckptfs_verify_payloads's *what).
+VERIFY_RANGE = 1        # the payload is not inside the buffer
+VERIFY_CRC = 2          # its CRC-32C differs
+VERIFY_ID = 3           # its BLAKE3-256 differs from its id
+
+
+def verify_payloads(data: Buffer, offs: list[int], lens: list[int], crcs: list[int],
+                    ids: bytes | None) -> tuple[int, int]:
+    """Check payloads lying in ``data`` in one call, GIL released: payload k
+    is ``data[offs[k]:offs[k] + lens[k]]``, its CRC-32C must be ``crcs[k]``
+    and, with ``ids`` (32 bytes per payload) and the module built with
+    BLAKE3, its BLAKE3-256 must be ``ids[32k:32k + 32]`` unless those are
+    all zeros. Returns (len(offs), 0) if all pass, else (k, VERIFY_*) of the
+    first that does not. ValueError if ids are given and the module has no
+    BLAKE3 (`chunk_feed_hashes`)."""
+    n = len(offs)
+    if not n == len(lens) == len(crcs) or (ids is not None and len(ids) != 32 * n):
+        raise ValueError("verify_payloads: offs, lens, crcs and ids differ in count")
+    what = ffi.new("int *")
+    with ffi.from_buffer(data) as buf:
+        k = lib.ckptfs_verify_payloads(buf, len(buf), n, offs, lens, crcs,
+                                       ffi.NULL if ids is None else ids, what)
+    if k < 0:
+        raise ValueError("verify_payloads: ids given, but this build has no BLAKE3")
+    return int(k), int(what[0])
+
+
 def flush_instruction() -> str:
     """The cache-line flush in use: "clwb", "clflushopt", "clflush", or "none" off x86."""
     return _FLUSH_NAMES[lib.ckptfs_flush_kind()]

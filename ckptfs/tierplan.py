@@ -45,7 +45,7 @@ class TierPolicy:
     pack_bytes: int = 64 << 20       # logical bytes per pack
     version_gap_s: float = 120.0     # commits of one directory this close are one version
     cache_bytes: int = 256 << 20     # decoded cold chunks kept for reads
-    prefetch_chunks: int = 128       # chunks read ahead of a sequential cold read
+    prefetch_bytes: int = 32 << 20   # file bytes read ahead of a sequential cold reader
 
 
 @dataclass

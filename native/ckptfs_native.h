@@ -195,4 +195,20 @@ int ckptfs_rans8_decode(const void *in, size_t in_len, void *dst, size_t n);
  * ELOOP or ENOTDIR where a symlink is met, ENOENT, EACCES, ... */
 int ckptfs_open_beneath(int dirfd, const char *path, int flags, int walk);
 
+/* ---- cold chunks read back from a pack (ckptfs/coldstore.py) -------------
+ *
+ * Check n payloads that lie in buf: payload k is buf[offs[k], offs[k] +
+ * lens[k]); its CRC-32C must be crcs[k] and, if ids is not NULL and
+ * ids[32k..] is not all zeros, its BLAKE3-256 must be ids[32k..] (a raw
+ * payload is the chunk's bytes). Returns n if all pass, else the index of
+ * the first that does not, with *what saying which check failed; -1 if ids
+ * were given but the module has no BLAKE3 (ckptfs_chunk_hashes() == 0).
+ * n is at most INT_MAX. */
+#define CKPTFS_VERIFY_RANGE 1
+#define CKPTFS_VERIFY_CRC 2
+#define CKPTFS_VERIFY_ID 3
+int ckptfs_verify_payloads(const void *buf, size_t buf_len, size_t n,
+                           const uint64_t *offs, const uint64_t *lens,
+                           const uint32_t *crcs, const uint8_t *ids, int *what);
+
 #endif

@@ -202,6 +202,11 @@ class Backend(ABC):
         bytes the blob should have); a missing blob raises BlobMissing.
         """
 
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        """`read` of len(out) bytes into out (a writable byte buffer), with the
+        same errors. Backends that can fill it without a copy do."""
+        out[:] = self.read(name, offset, len(out))
+
     @abstractmethod
     def size(self, name: str) -> int:
         """The blob's length in bytes (BlobMissing if there is none)."""

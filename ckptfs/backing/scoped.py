@@ -44,6 +44,9 @@ class ScopedBackend(Backend):
     def read(self, name: str, offset: int, length: int) -> bytes:
         return self.inner.read(self.prefix + validate_name(name), offset, length)
 
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        self.inner.read_into(self.prefix + validate_name(name), offset, out)
+
     def size(self, name: str) -> int:
         return self.inner.size(self.prefix + validate_name(name))
 

@@ -485,6 +485,9 @@ def test_read_exact_ranges(store):
     for off, length in ranges:
         got = store.read(PACK_NAME, off, length)
         assert isinstance(got, bytes) and got == data[off:off + length], (off, length)
+        into = bytearray(b"\xee" * (length + 2))
+        store.read_into(PACK_NAME, off, memoryview(into)[1:length + 1])
+        assert into == b"\xee" + data[off:off + length] + b"\xee", (off, length)
 
 
 def test_read_past_end_raises(store):
@@ -492,6 +495,8 @@ def test_read_past_end_raises(store):
     for off, length in ((0, 11), (5, 6), (10, 1), (11, 0), (1000, 5)):
         with pytest.raises(BlobDamaged, match="m/ten"):
             store.read("m/ten", off, length)
+        with pytest.raises(BlobDamaged, match="m/ten"):
+            store.read_into("m/ten", off, memoryview(bytearray(length)))
     for off, length in ((-1, 1), (0, -1)):
         with pytest.raises(InvalidArgument):
             store.read("m/ten", off, length)
@@ -501,6 +506,8 @@ def test_missing_blob(store):
     put(store, "m/there", b"x")
     with pytest.raises(BlobMissing, match="m/gone"):
         store.read("m/gone", 0, 1)
+    with pytest.raises(BlobMissing, match="m/gone"):
+        store.read_into("m/gone", 0, memoryview(bytearray(1)))
     with pytest.raises(BlobMissing):
         store.size("m/gone")
     with pytest.raises(BlobMissing):

@@ -383,3 +383,53 @@ def test_open_beneath_never_follows_a_symlink(tmp_path, walk):
                 open_beneath(dfd, b"a/nope", flags, walk=walk)
     finally:
         os.close(dfd)
+
+
+# ---- verify_payloads: the cold store's check of a pack span ------------------
+
+def _span(rng: random.Random, sizes: list[int]) -> tuple[bytes, list[int], list[int], list[int],
+                                                         bytes]:
+    from blake3 import blake3
+    parts = [rng.randbytes(n) for n in sizes]
+    offs, at = [], 0
+    for p in parts:
+        offs.append(at)
+        at += len(p)
+    return (b"".join(parts), offs, sizes, [native.crc32c(p) for p in parts],
+            b"".join(blake3(p).digest() for p in parts))
+
+
+needs_blake3 = pytest.mark.skipif(not native.chunk_feed_hashes(),
+                                  reason="the module was built without the BLAKE3 library")
+
+
+@needs_blake3
+def test_verify_payloads_passes_good_payloads_and_names_the_first_bad(rng) -> None:
+    span, offs, lens, crcs, ids = _span(rng, [1, 4096, 70000, 256 * 1024, 3])
+    assert native.verify_payloads(span, offs, lens, crcs, ids) == (5, 0)
+    assert native.verify_payloads(span, offs, lens, crcs, None) == (5, 0)
+    # A wrong id, a wrong CRC, a payload past the span: the first is named.
+    bad_id = ids[:64] + bytes([ids[64] ^ 1]) + ids[65:]
+    assert native.verify_payloads(span, offs, lens, crcs, bad_id) == (2, native.VERIFY_ID)
+    bad_crc = crcs[:3] + [crcs[3] ^ 1] + crcs[4:]
+    assert native.verify_payloads(span, offs, lens, bad_crc, bad_id) == (2, native.VERIFY_ID)
+    assert native.verify_payloads(span, offs, lens, bad_crc, ids) == (3, native.VERIFY_CRC)
+    assert native.verify_payloads(span, offs, lens[:4] + [4], crcs, ids) == \
+        (4, native.VERIFY_RANGE)
+    assert native.verify_payloads(span[:-1], offs, lens, crcs, ids) == (4, native.VERIFY_RANGE)
+    # Zeros for an id: that payload's id is not checked here (it is encoded).
+    no_id = ids[:64] + bytes(32) + ids[96:]
+    span2 = span[:offs[2]] + bytes([span[offs[2]] ^ 1]) + span[offs[2] + 1:]
+    crcs2 = crcs[:2] + [native.crc32c(span2[offs[2]:offs[2] + lens[2]])] + crcs[3:]
+    assert native.verify_payloads(span2, offs, lens, crcs2, no_id) == (5, 0)
+    assert native.verify_payloads(span2, offs, lens, crcs2, ids) == (2, native.VERIFY_ID)
+    with pytest.raises(ValueError):
+        native.verify_payloads(span, offs, lens, crcs, ids[:-32])
+
+
+@needs_blake3
+def test_verify_payloads_releases_the_gil(rng) -> None:
+    span, offs, lens, crcs, ids = _span(rng, [MIB])
+    n = 200                     # the same MiB 200 times: tens of ms of hashing
+    assert_releases_gil(lambda: native.verify_payloads(span, offs * n, lens * n, crcs * n,
+                                                       ids * n))

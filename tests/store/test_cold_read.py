@@ -1,0 +1,115 @@
+"""Reading cold data through the real mount: the prefetcher runs ahead of a
+sequential reader farther than the kernel's own read-ahead, and the checks
+every fetched chunk passes (payload CRC, BLAKE3 id, both in one native call
+per pack span) still refuse a crafted pack.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from ckptfs import codec, native, packs
+from ckptfs.backing.local import LocalBackend
+from mounting import run_ckptfs
+from posix_helpers import read_file, wait_for, write_file
+
+MiB = 1 << 20
+
+
+def tier_now(m) -> None:
+    run_ckptfs("tier", str(m.path), "--now", "--all", timeout=600)
+
+
+def incompressible(n: int, seed: int) -> bytes:
+    """Bytes the codecs store raw (CODEC_RAW): the id check is all there is."""
+    return random.Random(seed).randbytes(n)
+
+
+def test_a_sequential_cold_reader_is_read_ahead_farther_than_the_kernel(make_mount):
+    # One READ of the first MiB (the kernel's own read-ahead off) starts the
+    # prefetcher: it must bring more than the kernel's 16 MiB read-ahead would
+    # have asked for, so the kernel's READs find their chunks decoded.
+    m = make_mount(options=["pmem_size=256M"])
+    size = 64 * MiB
+    data = incompressible(size, 1)
+    write_file(m.path / "cold.bin", data)
+    tier_now(m)
+    m.remount()                                 # an empty cold cache
+    chunks = m.stat()["chunks"]
+    with open(m.path / "cold.bin", "rb", buffering=0) as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        assert f.read(MiB) == data[:MiB]
+        # At least 24 of the next MiBs' chunks (the kernel asks for 16).
+        want = chunks * 25 // 64
+
+        def fetched() -> int:
+            return m.stat()["cold_fetches"]
+        assert wait_for(lambda: fetched() >= want, timeout_s=30), \
+            f"{fetched()} of {chunks} chunks fetched after a 1 MiB read, want {want}"
+        f.seek(0)
+        assert f.read() == data
+    m.umount()
+
+
+def forge_keeping_crc(payload: bytearray, at: int, fix_at: int) -> None:
+    """Change payload[at] and then 4 bytes at fix_at so that its CRC-32C stays
+    the same (CRC is linear: solve for the 32 bits that cancel the change)."""
+    base = native.crc32c(payload)
+    payload[at] ^= 0x55
+    target = native.crc32c(payload) ^ base          # what the 32 bits must undo
+    cols = []                                       # CRC change of flipping each bit
+    for bit in range(32):
+        payload[fix_at + bit // 8] ^= 1 << (bit % 8)
+        cols.append(native.crc32c(payload) ^ base ^ target)
+        payload[fix_at + bit // 8] ^= 1 << (bit % 8)
+    # Gaussian elimination over GF(2): which bits to flip so their changes sum to target.
+    rows = [(cols[b], 1 << b) for b in range(32)]
+    basis: list[tuple[int, int]] = []
+    for v, mask in rows:
+        for bv, bm in basis:
+            if v ^ bv < v:
+                v, mask = v ^ bv, mask ^ bm
+        if v:
+            basis.append((v, mask))
+            basis.sort(reverse=True)
+    v, mask = target, 0
+    for bv, bm in basis:
+        if v ^ bv < v:
+            v, mask = v ^ bv, mask ^ bm
+    assert v == 0, "no 4-byte fix for this CRC"
+    for bit in range(32):
+        if mask >> bit & 1:
+            payload[fix_at + bit // 8] ^= 1 << (bit % 8)
+    assert native.crc32c(payload) == base
+
+
+def test_a_raw_payload_forged_to_keep_its_crc_is_refused(make_mount):
+    m = make_mount(options=["pmem_size=128M"])
+    data = incompressible(4 * MiB, 2)
+    write_file(m.path / "d.bin", data)
+    tier_now(m)
+    m.umount()
+    store = m.source / ".ckptfs" / "store"
+    pack = next((store / "packs").rglob("*.pack"))
+    backend = LocalBackend(str(store))
+    entries = packs.read_pack_index(backend, str(pack.relative_to(store)))
+    backend.close()
+    entry = entries[len(entries) // 2]
+    assert entry.codec == codec.CODEC_RAW and entry.stored_length > 100
+    with open(pack, "r+b") as f:
+        f.seek(entry.offset)
+        payload = bytearray(f.read(entry.stored_length))
+        forge_keeping_crc(payload, 10, 50)
+        f.seek(entry.offset)
+        f.write(payload)
+    m.start()
+    with pytest.raises(OSError) as err:
+        read_file(m.path / "d.bin")
+    assert err.value.errno == 5
+    m.umount()
+    res = m.fsck()
+    assert res.returncode == 4 and "do not match the chunk id" in res.stdout, \
+        res.stdout + res.stderr
