@@ -119,8 +119,13 @@ class Filesystem:
         """Mount-time recovery: free space from the index, purge orphans.
 
         Reads the index only (no log scan): uncommitted log bytes are free
-        space by definition. Returns how many orphans were purged.
+        space by definition. Log bytes the index carries for the log (small
+        batches, `logredo`) are written back to it first. Returns how many
+        orphans were purged. May block.
         """
+        replayed = self.files.replay_log_redo()
+        if replayed:
+            log.info("wrote back %d log records the index held for the log", replayed)
         damaged: list[str] = []
         self.log.init_free_space(ix.used_log_space(self.index, SUPERBLOCK_BYTES,
                                                    self.log.size_bytes, damaged))
@@ -136,8 +141,10 @@ class Filesystem:
         return len(orphans)
 
     async def run_committer(self) -> None:
+        # On DAX a persist is a few cache-line flushes: no flush to save.
         await self.index.run_committer(self.log.persist, self.commit_limiter,
-                                       idle_delay_s=self.policy.idle_commit_delay_s)
+                                       idle_delay_s=self.policy.idle_commit_delay_s,
+                                       read_log=None if self.log.dax else self.log.read_raw)
 
     async def shutdown(self) -> None:
         """Commit what was closed, purge orphans, mark clean. Committer keeps running."""

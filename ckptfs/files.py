@@ -166,6 +166,36 @@ class FileData:
         if df is not None and df.mtime_ns is not None:
             df.mtime_ns = mtime_ns
 
+    def replay_log_redo(self) -> int:
+        """Mount-time: write back to the log every chunk the index carries for it
+        (`logredo`: small batches committed without persisting the log, which a
+        crash may have lost), persist the log, then drop the records. A chunk is
+        written only while its record still places it there (chunk numbers are
+        never reused) and the bytes match its CRCs; anything else is space the
+        index no longer names. Returns how many chunks were written. May block."""
+        written: list[tuple[int, int]] = []
+        damaged: list[str] = []
+        seen = False
+        for _, off, length, chunk_no, data in ix.scan_log_redo(self.index, damaged.append):
+            seen = True
+            try:
+                chunk = ix.get_chunk(self.index, chunk_no)
+            except CkptfsError:
+                continue            # damaged: fsck names it
+            if (chunk is None or chunk.kind != ix.CHUNK_LOG or chunk.log_off != off
+                    or chunk.length != length or self.log.crcs_of(data) != chunk.crcs):
+                continue
+            self.log.write(off, data)
+            written.append((off, length))
+        for why in damaged:
+            log.error("damaged index record: %s (the chunks it held read as the log has them)",
+                      why)
+        if written:
+            self.log.persist(written)
+        if seen or damaged:
+            self.index.write_direct(ix.clear_log_redo)
+        return len(written)
+
     def discard(self, ino: int) -> None:
         """Forget ino's uncommitted changes (file unlinked, a write lost, daemon giving up)."""
         df = self.dirty_files.pop(ino, None)
@@ -306,7 +336,7 @@ class FileData:
             if chunk is not None:
                 chunk.refcount = n
                 ix.add_chunk(self.index, chunk)
-                self.index.persist_before_commit(chunk.log_off, chunk.length)
+                self.index.persist_before_commit(chunk.log_off, chunk.length, chunk_no)
         for chunk_no in pinned:
             self.reclaimer.unpin(chunk_no)
         inode.size = df.size

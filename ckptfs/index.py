@@ -112,6 +112,20 @@ order; little-endian in values):
     symlinks  ino -> target
     orphans   ino -> b"" for inodes unlinked while still open; purged at
               last close, or at the next mount after a crash
+    logredo   u64 record no -> the new log bytes of one small batch (LOG_REDO:
+              count, then per chunk its log offset, length and chunk no, then
+              the bytes of each in that order). A batch whose new log bytes
+              are at most REDO_BATCH_MAX_BYTES carries them here, in its own
+              transaction, instead of persisting the log before it: the bytes
+              are durable with the batch, one flush less per small fsync or
+              close. The log ranges are persisted later (REDO_PENDING_MAX_BYTES
+              waiting, REDO_MAX_AGE_S, or the committer stopping), and the
+              records are deleted in the transaction after that persist. The
+              next mount writes back each chunk a record holds whose record
+              still says it is at that log offset (chunk numbers are never
+              reused) and whose CRCs match, persists the log and clears the
+              table (`FileData.replay_log_redo`). Record numbers only grow
+              while records are kept.
 
 Room (docs/OPERATIONS.md, "the index disk fills"): LMDB grows its file as
 the index grows, and a commit that finds no room on that disk fails. While
@@ -159,8 +173,9 @@ log = logging.getLogger(__name__)
 
 # 1: no chunk ids; 2: SOURCE chunks without the identity of the file adopted;
 # 3: no file totals; 4: no copies of LOG chunks in packs, no unpublished
-# table (all upgraded in place by upgrade_format).
-FORMAT_VERSION = 5
+# table; 5: no logredo table, so a format 5 ckptfs would read the log
+# without the bytes a crash left there (all upgraded in place by upgrade_format).
+FORMAT_VERSION = 6
 ROOT_INO = 1
 FIRST_COOKIE = 16  # cookies 1 and 2 are "." and ".." in readdir
 CRC_BLOCK_BYTES = 64 * 1024
@@ -171,7 +186,7 @@ CHUNK_PACK = 3
 _LOG_COPIED = 4          # the record's kind byte of a LOG chunk with a pack copy
 
 DB_NAMES = ("meta", "inodes", "dirents", "dirlist", "extents", "chunks", "chunkids",
-            "logmap", "packs", "xattrs", "symlinks", "orphans", "unpublished")
+            "logmap", "packs", "xattrs", "symlinks", "orphans", "unpublished", "logredo")
 
 CHUNK_ID_BYTES = 32
 MAX_OFF_T = (1 << 63) - 1       # no inode is larger (files.MAX_FILE_BYTES is the real limit)
@@ -206,6 +221,13 @@ UNMOUNT_RETRY_S = 10.0                # an unmount waits this long for room befo
 # and per commit of a file (the paths of pages copied in a dozen sub-databases).
 GROWTH_PER_RECORD_BYTES = 512
 GROWTH_PER_FILE_COMMIT_BYTES = 4096
+# Log bytes carried in the index (`logredo`, see the schema): a batch with at
+# most this many new log bytes journals them instead of persisting the log;
+# the log is persisted and the records dropped once this many wait, or this
+# long after the oldest of them, or when the committer stops.
+REDO_BATCH_MAX_BYTES = 256 << 10
+REDO_PENDING_MAX_BYTES = 8 << 20
+REDO_MAX_AGE_S = 10.0
 
 _U64 = struct.Struct(">Q")
 _U64x2 = struct.Struct(">QQ")
@@ -218,6 +240,8 @@ _PACKLOC = struct.Struct("<QQIBBI")     # pack no, offset, stored length, codec,
 _LOG_FIXED = _CHUNK_HEAD.size + _LOGLOC.size + CHUNK_ID_BYTES   # a LOG record before its CRCs
 _PACK = struct.Struct("<QQQ")           # live chunks, live stored bytes, pack size
 _SOURCE_ID = struct.Struct("<BQQ")      # SOURCE_FS_*, st_dev, st_ino
+_REDO_COUNT = struct.Struct("<I")
+_REDO_ENTRY = struct.Struct("<QIQ")     # log offset, length, chunk no
 INODE_STRUCT = struct.Struct("<IIIIQQqqqQQ")
 
 
@@ -377,6 +401,12 @@ class Batch:
     opened_at: Optional[float] = None      # when its first change arrived
     promised_bytes: int = 0                # index growth admitted into it (`Index.admit`)
     persisted: bool = False                # its log ranges are durable (a retry skips them)
+    # The new chunks behind persist_ranges: (log offset, length, chunk no).
+    log_chunks: list[tuple[int, int, int]] = field(default_factory=list)
+    journal_log: bool = False              # sealed to carry its log bytes (`logredo`)
+    flush_redo: bool = False               # sealed to persist the log of the records kept
+    redo: Optional[bytes] = None           # its `logredo` record, once read from the log
+    redo_flushed: Optional[list[int]] = None   # records whose log bytes it persisted
 
     def is_empty(self) -> bool:
         return not self.ops and not self.after_durable
@@ -427,6 +457,16 @@ class Index:
         self._promised_total = 0          # admitted growth not yet committed
         self._data_fd = -1
         self._full_since: Optional[float] = None
+        # Log bytes carried in the index (`logredo`): how the committer reads
+        # them (None: it persists the log instead), and the records durable
+        # here whose log ranges are not persisted yet (record no -> ranges).
+        # Only the committer's worker thread changes these, between batches.
+        self._read_log: Optional[Callable[[int, int], bytes]] = None
+        self._redo: dict[int, list[tuple[int, int]]] = {}
+        self._redo_bytes = 0
+        self._redo_since = 0.0
+        self._redo_next = 1
+        self._load_redo()
 
     # ------------------------------------------------------------------ room
 
@@ -634,6 +674,7 @@ class Index:
                     txn._put("meta", name, _LOGLOC.pack(value))
             if version < 5:
                 _upgrade_unpublished(txn)
+            # 5 -> 6: the logredo table, empty (LMDB made it at open).
             txn._put("meta", b"format", struct.pack("<I", FORMAT_VERSION))
 
         self.write_direct(upgrade)
@@ -646,6 +687,17 @@ class Index:
     def _load_counters(self) -> None:
         for name in ID_COUNTERS + STAT_COUNTERS + FILE_COUNTERS:
             self.counters[name] = read_counter(self, name)
+
+    def _load_redo(self) -> None:
+        """Learn the `logredo` records kept (a crash left them, or the mount
+        replays and clears them): they are persisted and dropped like new ones."""
+        self._redo.clear()
+        self._redo_bytes = 0
+        for no, off, length, _, _ in scan_log_redo(self, lambda why: None):
+            self._redo.setdefault(no, []).append((off, length))
+            self._redo_bytes += length
+            self._redo_next = max(self._redo_next, no + 1)
+        self._redo_since = time.monotonic()
 
     def allocate_id(self, name: bytes) -> int:
         """Next value of a never-reused counter (next_ino, next_chunk, next_cookie)."""
@@ -689,6 +741,7 @@ class Index:
             fn(DirectTxn(txn, self._dbs))
         self._renew_read_txn()
         self._load_counters()
+        self._load_redo()
 
     # ----------------------------------------------------------------- reads
 
@@ -790,9 +843,12 @@ class Index:
             self._open.opened_at = time.monotonic()
         self._work.set()
 
-    def persist_before_commit(self, log_off: int, length: int) -> None:
-        """The open batch references these log bytes: persist them first."""
+    def persist_before_commit(self, log_off: int, length: int, chunk_no: int = 0) -> None:
+        """The open batch references these log bytes (chunk_no's, if given): make
+        them durable before it or with it (small batches: `logredo`)."""
         self._open.persist_ranges.append((log_off, length))
+        if chunk_no:
+            self._open.log_chunks.append((log_off, length, chunk_no))
 
     def after_durable(self, fn: Callable[[], None]) -> None:
         """Run fn on the trio thread once the open batch is durable."""
@@ -827,7 +883,8 @@ class Index:
             raise IndexFailure(f"commit failed: {self.failure}")
 
     async def run_committer(self, persist: Callable[[list[tuple[int, int]]], None],
-                            limiter: trio.CapacityLimiter, idle_delay_s: float = 0.0) -> None:
+                            limiter: trio.CapacityLimiter, idle_delay_s: float = 0.0,
+                            read_log: Optional[Callable[[int, int], bytes]] = None) -> None:
         """Commit batches one after another until stop() and nothing is left.
 
         While one batch is being written, new changes gather in the next: that
@@ -835,12 +892,18 @@ class Index:
         for up to idle_delay_s before it is written, so that a create and the
         close that follows it cost one durable commit, not two.
 
+        read_log(off, length) returns log bytes as written (may block): given,
+        a batch with few new log bytes carries them in its transaction
+        (`logredo`) instead of persisting the log first, and the log is
+        persisted later, before the records go (see the schema).
+
         An unexpected exception (a bug anywhere in the loop, a callback's
         included) makes the filesystem read-only like a failed commit
         (docs/CONSISTENCY.md): every waiter gets IndexFailure (EIO) instead of
         waiting for a committer that is gone, reads go on, and the unmount
         completes; the next mount recovers every durable commit.
         """
+        self._read_log = read_log
         try:
             await self._commit_batches(persist, limiter, idle_delay_s)
         except Exception as e:  # noqa: BLE001 - never leave writers waiting on a dead committer
@@ -864,7 +927,7 @@ class Index:
             if not await self._commit_sealed(self._committing, persist, limiter):
                 return
         while True:
-            if self._open.is_empty():
+            if self._open.is_empty() and not (self._stopping and self._redo):
                 if self._stopping:
                     return
                 if self.full and self.room_bytes is not None:
@@ -889,6 +952,7 @@ class Index:
                     continue
             for name, value in self.counters.items():
                 self._layer("meta")[name] = _LOGLOC.pack(value)
+            self._plan_log_bytes(self._open)
             batch, self._open = self._open, Batch(seq=self._open.seq + 1)
             self._committing = batch
             if not await self._commit_sealed(batch, persist, limiter):
@@ -974,6 +1038,32 @@ class Index:
                 self.room_bytes = await trio.to_thread.run_sync(self._refill_reserve,
                                                                 limiter=limiter)
 
+    def _plan_log_bytes(self, batch: Batch) -> None:
+        """Decide, as the batch is sealed, whether it carries its new log bytes
+        (`logredo`) and whether it persists the log of the records kept."""
+        total = sum(length for _, length, _ in batch.log_chunks)
+        if self._redo:
+            waiting = self._redo_bytes + total
+            batch.flush_redo = (self._stopping or waiting > REDO_PENDING_MAX_BYTES
+                                or time.monotonic() - self._redo_since > REDO_MAX_AGE_S)
+        # A batch that persists the log anyway persists its own bytes with it.
+        batch.journal_log = (self._read_log is not None and not batch.flush_redo
+                             and 0 < total <= REDO_BATCH_MAX_BYTES
+                             and len(batch.log_chunks) == len(batch.persist_ranges)
+                             and (self.room_bytes is None
+                                  or self._room_left() >= 2 * total + GROWTH_PER_FILE_COMMIT_BYTES))
+
+    def _redo_record(self, log_chunks: list[tuple[int, int, int]]) -> bytes:
+        """The `logredo` value of these chunks, their bytes read from the log."""
+        parts = [_REDO_COUNT.pack(len(log_chunks))]
+        parts += [_REDO_ENTRY.pack(off, length, no) for off, length, no in log_chunks]
+        for off, length, _ in log_chunks:
+            data = self._read_log(off, length)
+            if len(data) != length:
+                raise DamagedData(f"log ends before offset {off + length}")
+            parts.append(data)
+        return b"".join(parts)
+
     def stop(self) -> None:
         """Let run_committer return once everything pending is durable."""
         self._stopping = True
@@ -988,11 +1078,26 @@ class Index:
         Raises IndexFull when the index's disk had no room (the transaction
         was aborted: it may be retried), anything else when it may not.
         """
+        ranges: list[tuple[int, int]] = []
         if batch.persist_ranges and not batch.persisted:
-            persist(batch.persist_ranges)
-            batch.persisted = True
-        if not batch.ops:
+            if batch.journal_log:
+                batch.redo = self._redo_record(batch.log_chunks)
+            else:
+                ranges += batch.persist_ranges
+        flushing = None
+        if batch.flush_redo and batch.redo_flushed is None:
+            # Every record kept: its log bytes durable first (in the same
+            # persist as the batch's own), then it goes in this transaction.
+            flushing = list(self._redo)
+            ranges += [r for no in flushing for r in self._redo[no]]
+        if ranges:
+            persist(ranges)
+        batch.persisted = True
+        if flushing is not None:
+            batch.redo_flushed = flushing
+        if not batch.ops and batch.redo is None and not batch.redo_flushed:
             return None
+        redo_no = self._redo_next
         try:
             with self.env.begin(write=True) as txn:
                 for db_name, layer in batch.ops.items():
@@ -1002,12 +1107,27 @@ class Index:
                             txn.delete(k, db=db)
                         else:
                             txn.put(k, v, db=db)
+                redo_db = self._dbs["logredo"]
+                for no in batch.redo_flushed or ():
+                    txn.delete(u64(no), db=redo_db)
+                if batch.redo is not None:
+                    txn.put(u64(redo_no), batch.redo, db=redo_db)
         except lmdb.MapFullError as e:
+            self._without_redo(batch)
             raise IndexFull("index map is full") from e
         except lmdb.Error as e:      # DiskError for ENOSPC, Error for a short write's EIO
             if self._no_room(e):
+                self._without_redo(batch)
                 raise IndexFull(str(e)) from e
             raise
+        for no in batch.redo_flushed or ():
+            self._redo_bytes -= sum(length for _, length in self._redo.pop(no))
+        if batch.redo is not None:
+            if not self._redo:
+                self._redo_since = time.monotonic()
+            self._redo[redo_no] = [(off, length) for off, length, _ in batch.log_chunks]
+            self._redo_bytes += sum(length for _, length, _ in batch.log_chunks)
+            self._redo_next = redo_no + 1
         if self.room_bytes is None:
             return None
         try:
@@ -1015,6 +1135,15 @@ class Index:
         except OSError as e:
             log.warning("could not measure the index's room: %s", e)
             return self.room_bytes
+
+    @staticmethod
+    def _without_redo(batch: Batch) -> None:
+        """A batch that found no room is retried persisting its log bytes
+        instead of carrying them: they may be what did not fit."""
+        if batch.redo is not None:
+            batch.redo = None
+            batch.journal_log = False
+            batch.persisted = False
 
     def _no_room(self, e: lmdb.Error) -> bool:
         """Did this commit fail for lack of room on the index's disk? LMDB says
@@ -1984,6 +2113,33 @@ def get_volume(kv) -> Optional[VolumeRecord]:
 
 def set_volume(kv, record: VolumeRecord) -> None:
     kv._put("meta", b"volume", record.encode())
+
+
+def scan_log_redo(kv, damaged: Damaged = _raise_damaged
+                  ) -> Iterator[tuple[int, int, int, int, memoryview]]:
+    """Every chunk the `logredo` records carry: (record no, log offset, length,
+    chunk no, its bytes), oldest record first."""
+    for k, raw in kv._items("logredo", u64(0), u64((1 << 64) - 1)):
+        no, view = read_u64(k), memoryview(bytes(raw))
+        try:
+            (count,) = _REDO_COUNT.unpack_from(view)
+            entries = [_REDO_ENTRY.unpack_from(view, _REDO_COUNT.size + i * _REDO_ENTRY.size)
+                       for i in range(count)]
+            pos = _REDO_COUNT.size + count * _REDO_ENTRY.size
+            if pos + sum(length for _, length, _ in entries) != len(view):
+                raise struct.error("lengths do not add up")
+        except struct.error as e:
+            damaged(f"logredo record {no}: {e}")
+            continue
+        for off, length, chunk_no in entries:
+            yield no, off, length, chunk_no, view[pos:pos + length]
+            pos += length
+
+
+def clear_log_redo(kv) -> None:
+    """Drop every `logredo` record (their bytes are in the log, persisted)."""
+    for k, _ in list(kv._items("logredo", u64(0), u64((1 << 64) - 1))):
+        kv._delete("logredo", k)
 
 
 def _upgrade_unpublished(txn: "DirectTxn") -> None:

@@ -394,6 +394,13 @@ class PmemLog:
         if not direct:
             out[:] = buf[chunk_off - blk_start:chunk_off - blk_start + n]
 
+    def read_raw(self, off: int, length: int) -> bytes:
+        """The bytes at [off, off+length) as written, unverified (the committer
+        copies a small batch's new chunks into the index). May block."""
+        buf = memoryview(bytearray(length))
+        self._read_exact(buf, off)
+        return bytes(buf)
+
     def _read_exact(self, buf: memoryview, off: int) -> None:
         if self.dax:
             buf[:] = self.mapping[off:off + len(buf)]

@@ -120,8 +120,11 @@ class FaultLog(PmemLog):
 
     # ------------------------------------------------------------- the cut
 
-    def lose_unpersisted(self, rng: random.Random) -> dict[str, int]:
-        """Apply the power loss to the (closed) log file. Returns what it did, by fate."""
+    def lose_unpersisted(self, rng: random.Random,
+                         choices: tuple[str, ...] = ("dropped", "kept", "torn")
+                         ) -> dict[str, int]:
+        """Apply the power loss to the (closed) log file, each store not
+        persisted meeting one of choices. Returns what it did, by fate."""
         fates = {"persisted": 0, "dropped": 0, "kept": 0, "torn": 0}
         final = np.zeros(self.size_bytes // WORD, dtype=bool)
         nprng = np.random.default_rng(rng.randrange(1 << 63))
@@ -138,7 +141,7 @@ class FaultLog(PmemLog):
                     final[w0:w1] = True
                     continue
                 open_words = ~final[w0:w1] & ~covered
-                fate = rng.choice(("dropped", "kept", "torn"))
+                fate = rng.choice(choices)
                 fates[fate] += 1
                 if fate == "kept":
                     revert = np.zeros_like(open_words)

@@ -487,6 +487,54 @@ def test_damaged_log_record_gives_eio(make_mount):
     assert "[data]" in res.stdout and "checksum" in res.stdout, res.stdout
 
 
+# ------------------------------------------- small commits: bytes in the index
+
+def test_small_fsync_is_durable_in_the_index_alone(tmp_path):
+    """An fsync of a few 4 KiB overwrites persists no log range: the bytes
+    ride in the batch's own index transaction (logredo). A power cut that
+    loses every log store no persist covered loses none of them: fsck counts
+    the index's copy, the next mount writes it back, the file reads exactly."""
+    boot = Boot(tmp_path)
+    rng = random.Random(14)
+    base = rng.randbytes(2 * MiB)
+    patches = {off: rng.randbytes(4 * KiB) for off in (0, 12 * 4 * KiB, 300 * 4 * KiB)}
+
+    async def main() -> int:
+        async with trio.open_nursery() as n:
+            n.start_soon(boot.fs.run_committer)
+            fh, _ = boot.fs.create(ROOT_INO, b"f", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+            await boot.fs.write(fh, 0, base)
+            await boot.fs.fsync(fh)             # 2 MiB: too big to ride along
+            before = boot.log.persist_calls
+            for off, data in patches.items():
+                await boot.fs.write(fh, off, data)
+            await boot.fs.fsync(fh)
+            persists = boot.log.persist_calls - before
+            boot.log.cut()                      # the power goes, nothing more is written
+            n.cancel_scope.cancel()
+        return persists
+
+    try:
+        persists = trio.run(main)
+    finally:
+        boot.close()
+    assert persists == 0
+    fates = boot.log.lose_unpersisted(rng, choices=("dropped",))
+    assert fates["dropped"] >= len(patches)
+    if have_fsck():
+        code, problems = fsck_findings(tmp_path)
+        assert not problems, "\n".join(problems)
+    want = bytearray(base)
+    for off, data in patches.items():
+        want[off:off + len(data)] = data
+    boot = Boot(tmp_path)
+    try:
+        shas, contents = observe(boot)
+    finally:
+        boot.close()
+    assert contents == {"f": bytes(want)}
+
+
 # ------------------------------------------------------- failure paths
 
 def test_cancelled_write_is_never_committed(tmp_path):

@@ -87,3 +87,53 @@ def test_freed_space_callback_runs_only_after_commit(tmp_path):
     trio.run(main)
     assert events == ["persist", "released"]
     index.close()
+
+
+def test_small_batch_carries_its_log_bytes_and_persists_them_before_dropping_them(tmp_path,
+                                                                                 monkeypatch):
+    """A batch with few new log bytes is durable without a log persist: its
+    bytes are in its own transaction (logredo). Once enough wait, a later
+    batch persists every waiting range first and drops the records in its
+    transaction; stopping does the same for what is left."""
+    log_bytes = bytearray(random.Random(3).randbytes(1 << 20))
+    events: list[object] = []
+    monkeypatch.setattr(ix, "REDO_PENDING_MAX_BYTES", 3 * 4096)
+
+    def read_log(off: int, length: int) -> bytes:
+        return bytes(log_bytes[off:off + length])
+
+    def records() -> list[tuple[int, int, bytes]]:
+        view = index.read_view()
+        try:
+            return [(off, no, bytes(data)) for _, off, _, no, data in ix.scan_log_redo(view)]
+        finally:
+            view.close()
+
+    index = Index(str(tmp_path / "index"))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(index.run_committer, events.append, trio.CapacityLimiter(1),
+                               0.0, read_log)
+            for i in range(3):
+                index._put("xattrs", keys(i), b"v")
+                index.persist_before_commit(i * 8192, 4096, 100 + i)
+                await index.wait_durable(index.current_seq())
+            assert events == []                     # no persist: the bytes rode along
+            assert records() == [(i * 8192, 100 + i, read_log(i * 8192, 4096))
+                                 for i in range(3)]
+            index._put("xattrs", keys(9), b"v")
+            index.persist_before_commit(65536, 4096, 200)   # 4 would wait: persist first
+            await index.wait_durable(index.current_seq())
+            assert events == [[(65536, 4096), (0, 4096), (8192, 4096), (16384, 4096)]]
+            assert records() == []
+            index._put("xattrs", keys(10), b"v")
+            index.persist_before_commit(131072, 4096, 201)
+            await index.wait_durable(index.current_seq())
+            assert len(events) == 1 and len(records()) == 1
+            index.stop()
+
+    trio.run(main)
+    assert events[1:] == [[(131072, 4096)]]          # the last one persisted at stop
+    assert records() == []
+    index.close()
