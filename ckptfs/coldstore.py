@@ -5,8 +5,9 @@ prefetcher that reads them ahead of a sequential reader.
 CRC, decompresses it (`codec`) and verifies its BLAKE3 id before a byte is
 used; decoded chunks stay in a bounded LRU cache, and a chunk being fetched
 by one thread is waited for, not fetched again, by the others. Neighbours in
-a pack come with one read, into a buffer the thread keeps, and one native
-call checks all their CRCs and the ids of the raw ones (GIL released). It
+a pack come with one read, and one native call checks all their CRCs and
+the ids of the raw ones (GIL released); a raw chunk is cached as a view of
+that read, whose buffer is used again once no view of it is left. It
 is thread-safe; `get`, `get_many` and `read_into` may block (worker threads
 only). It may not write to the store nor touch the index: the records it is
 given say where each chunk is.
@@ -19,6 +20,7 @@ before it runs, or after, it does nothing. It runs on the trio thread.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from typing import Optional
@@ -41,20 +43,25 @@ PREFETCH_THREADS = 2             # prefetch calls running at once
 _NATIVE_IDS = native.chunk_feed_hashes()
 _NO_ID = bytes(32)
 
-# A run of neighbours in a pack is read at most this much at a time, into a
-# buffer each thread keeps: no fresh pages (faults, zeroing) per read.
+# A run of neighbours in a pack is read at most this much at a time.
 SPAN_BYTES = 4 << 20
-_spans = threading.local()
+# Runs this long or longer are read into buffers of whole SPAN_CLASS_BYTES,
+# used again once no chunk in them is cached or being copied: no fresh pages
+# (faults, zeroing) per read. Shorter ones are read into new bytes.
+SPAN_CLASS_BYTES = 256 << 10
+IDLE_SPAN_BYTES = 32 << 20      # buffers kept for reuse, at most
 
 
-def _span_buffer(size: int) -> memoryview:
-    """This thread's span buffer, size bytes of it (a chunk alone may be larger)."""
-    buf = getattr(_spans, "buf", None)
-    if size > SPAN_BYTES:
-        return memoryview(bytearray(size))
-    if buf is None:
-        buf = _spans.buf = memoryview(bytearray(SPAN_BYTES))
-    return buf[:size]
+class _Span:
+    """Bytes read or decoded at once, of which cached chunks are views: the
+    cache counts all of it while any of them is cached (its true memory)."""
+
+    __slots__ = ("size", "live", "buf")
+
+    def __init__(self, size: int, buf: Optional[bytearray] = None) -> None:
+        self.size = size
+        self.live = 0               # cached chunks that are views of it
+        self.buf = buf              # a reusable buffer, or None
 
 
 class ColdStore:
@@ -63,10 +70,14 @@ class ColdStore:
     def __init__(self, backend: Backend, cache_bytes: int) -> None:
         self.backend = backend
         self.cache_limit = cache_bytes
-        self._cache: OrderedDict[bytes, bytes] = OrderedDict()   # chunk id -> bytes
+        # chunk id -> its verified bytes (a view of what was read) and their span
+        self._cache: OrderedDict[bytes, tuple[memoryview, _Span]] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()
         self._fetching: dict[bytes, threading.Event] = {}
+        self._idle: dict[int, list[bytearray]] = {}     # size -> buffers to reuse
+        self._idle_bytes = 0
+        self.buffers_reused = 0
         self.fetches = 0
         self.fetched_bytes = 0
         self.hits = 0
@@ -80,7 +91,7 @@ class ColdStore:
         if len(data) != chunk.length:       # cached under its id by a record that differs
             raise DamagedData(f"cold chunk {chunk.chunk_no}: its record says {chunk.length} "
                               f"bytes, its id names {len(data)}")
-        out[:] = memoryview(data)[chunk_off:chunk_off + len(out)]
+        out[:] = data[chunk_off:chunk_off + len(out)]
 
     def read_cached_into(self, out: memoryview, chunk: Chunk, chunk_off: int) -> bool:
         """Like `read_into` if the chunk is in the cache (a copy: the trio
@@ -89,70 +100,73 @@ class ColdStore:
             raise DamagedData(f"cold chunk {chunk.chunk_no}: an extent reaches byte "
                               f"{chunk_off + len(out)} of a {chunk.length}-byte chunk")
         with self._lock:
-            data = self._cache.get(chunk.chunk_id)
-            if data is None:
+            entry = self._cache.get(chunk.chunk_id)
+            if entry is None:
                 return False
             self._cache.move_to_end(chunk.chunk_id)
             self.hits += 1
+        data = entry[0]
         if len(data) != chunk.length:
             raise DamagedData(f"cold chunk {chunk.chunk_no}: its record says {chunk.length} "
                               f"bytes, its id names {len(data)}")
-        out[:] = memoryview(data)[chunk_off:chunk_off + len(out)]
+        out[:] = data[chunk_off:chunk_off + len(out)]
         return True
 
     def cached(self, chunk: Chunk) -> bool:
         with self._lock:
             return chunk.chunk_id in self._cache or chunk.chunk_id in self._fetching
 
-    def get(self, chunk: Chunk) -> bytes:
-        """The chunk's bytes, verified. May block."""
+    def get(self, chunk: Chunk) -> memoryview:
+        """The chunk's bytes, verified (read-only). May block."""
         while True:
-            data = self._cached_or_claim(chunk)
-            if isinstance(data, bytes):
-                return data
-            if data is not None:
-                data.wait()         # another thread is fetching it: use its result
+            key = chunk.chunk_id
+            with self._lock:
+                entry = self._cache.get(key)
+                if entry is not None:
+                    self._cache.move_to_end(key)
+                    self.hits += 1
+                    return entry[0]
+                waiting = self._fetching.get(key)
+                if waiting is None:
+                    self._fetching[key] = threading.Event()
+            if waiting is not None:
+                waiting.wait()      # another thread is fetching it: use its result
                 continue
-            self._fetch_claimed([chunk])
-            data = self._cached_or_claim(chunk, claim=False)
-            if isinstance(data, bytes):
-                return data
-            # Too big to cache (never for real chunks): fetch it for ourselves.
-            return self._verified([chunk])[0]
+            return self._fetch_claimed([chunk])[0]
 
     def get_many(self, chunks: list[Chunk]) -> None:
         """Fetch chunks into the cache, neighbours in a pack with one read. May block."""
-        mine = [c for c in chunks if self._cached_or_claim(c) is None]
+        done = threading.Event()    # one for all the chunks this call fetches
+        mine = []
+        with self._lock:
+            for c in chunks:
+                if c.chunk_id not in self._cache and c.chunk_id not in self._fetching:
+                    self._fetching[c.chunk_id] = done
+                    mine.append(c)
         if mine:
             self._fetch_claimed(mine)
 
-    def _cached_or_claim(self, chunk: Chunk, claim: bool = True):
-        """Cached bytes, or the Event of a fetch in flight, or None (now ours to fetch)."""
-        key = chunk.chunk_id
-        with self._lock:
-            data = self._cache.get(key)
-            if data is not None:
-                self._cache.move_to_end(key)
-                self.hits += 1
-                return data
-            waiting = self._fetching.get(key)
-            if waiting is not None:
-                return waiting
-            if claim:
-                self._fetching[key] = threading.Event()
-            return None
-
-    def _fetch_claimed(self, chunks: list[Chunk]) -> None:
+    def _fetch_claimed(self, chunks: list[Chunk]) -> list[memoryview]:
+        """Fetch chunks this thread claimed, cache them, wake who waits. May block."""
         try:
-            for chunk, data in zip(chunks, self._verified(chunks)):
-                with self._lock:
-                    if chunk.chunk_id not in self._cache and len(data) <= self.cache_limit:
-                        self._cache[chunk.chunk_id] = data
-                        self._cached_bytes += len(data)
-                        while self._cached_bytes > self.cache_limit:
-                            _, old = self._cache.popitem(last=False)
-                            self._cached_bytes -= len(old)
-                    self._fetching.pop(chunk.chunk_id).set()
+            got = self._verified(chunks)
+            with self._lock:
+                for chunk, (data, span) in zip(chunks, got):
+                    if chunk.chunk_id not in self._cache and span.size <= self.cache_limit:
+                        self._cache[chunk.chunk_id] = (data, span)
+                        if span.live == 0:
+                            self._cached_bytes += span.size
+                        span.live += 1
+                while self._cached_bytes > self.cache_limit and self._cache:
+                    _, (_, old) = self._cache.popitem(last=False)
+                    old.live -= 1
+                    if old.live == 0:
+                        self._cached_bytes -= old.size
+                        if old.buf is not None and self._idle_bytes < IDLE_SPAN_BYTES:
+                            self._idle.setdefault(old.size, []).append(old.buf)
+                            self._idle_bytes += old.size
+                        old.buf = None
+            return [data for data, _ in got]
         finally:
             with self._lock:
                 for chunk in chunks:
@@ -160,12 +174,13 @@ class ColdStore:
                     if ev is not None:
                         ev.set()
 
-    def _verified(self, chunks: list[Chunk]) -> list[bytes]:
-        """The chunks' bytes, checked: each payload's CRC, then decoded and
-        its BLAKE3 id. A run of neighbours in one pack is one read and one
-        native call that checks every payload's CRC, and the id of every raw
-        one (a raw payload is the chunk's bytes), GIL released; encoded
-        chunks are decoded and their ids checked here.
+    def _verified(self, chunks: list[Chunk]) -> list[tuple[memoryview, _Span]]:
+        """The chunks' bytes, checked, each with the span it is a view of:
+        each payload's CRC, then decoded and its BLAKE3 id. A run of
+        neighbours in one pack is one read and one native call that checks
+        every payload's CRC, and the id of every raw one (a raw payload is
+        the chunk's bytes: its view is used as it is, no copy), GIL released;
+        encoded chunks are decoded and their ids checked here.
 
         Records are checked first (kind, lengths within MAX_CHUNK_BYTES): a
         damaged one is DamagedData before anything is read or allocated."""
@@ -173,7 +188,7 @@ class ColdStore:
             if c.kind != CHUNK_PACK:
                 raise DamagedData(f"chunk {c.chunk_no} is not a cold chunk (kind {c.kind})")
             ix.check_chunk_record(c)
-        out: list[bytes] = []
+        out: list[tuple[memoryview, _Span]] = []
         i = 0
         while i < len(chunks):
             j = i + 1
@@ -184,9 +199,14 @@ class ColdStore:
                 j += 1
             first, last = chunks[i], chunks[j - 1]
             name = packs.pack_name(first.pack_no)
-            span = _span_buffer(last.pack_off + last.stored_length - first.pack_off)
+            size = last.pack_off + last.stored_length - first.pack_off
+            buf = self._buffer(size) if size >= SPAN_CLASS_BYTES else None
             try:
-                self.backend.read_into(name, first.pack_off, span)
+                if buf is None:
+                    read = self.backend.read(name, first.pack_off, size)
+                else:
+                    read = memoryview(buf)[:size]
+                    self.backend.read_into(name, first.pack_off, read)
             except CkptfsError as e:
                 raise DamagedData(f"cold chunk {first.chunk_no} in {name}: {e}") from e
             run = chunks[i:j]
@@ -196,7 +216,7 @@ class ColdStore:
                    for c in run]
             ids = b"".join(c.chunk_id if r else _NO_ID for c, r in zip(run, raw)) \
                 if _NATIVE_IDS else None
-            k, what = native.verify_payloads(span, offs, [c.stored_length for c in run],
+            k, what = native.verify_payloads(read, offs, [c.stored_length for c in run],
                                              [c.payload_crc for c in run], ids)
             if k < len(run):
                 bad = run[k]
@@ -205,20 +225,38 @@ class ColdStore:
                                       "the chunk id")
                 raise DamagedData(f"cold chunk {bad.chunk_no} in {name}: payload checksum "
                                   "mismatch")
+            span = _Span(len(buf), buf) if buf is not None else _Span(size)
+            view = memoryview(read).toreadonly()
             for c, off, checked in zip(run, offs, raw):
-                payload = span[off:off + c.stored_length]
+                payload = view[off:off + c.stored_length]
                 if not checked:
-                    out.append(self._decode(c, payload))
+                    data = self._decode(c, payload)
+                    out.append((memoryview(data), _Span(len(data))))
                 elif c.codec_param != 0 or c.stored_length != c.length:
                     raise DamagedData(f"cold chunk {c.chunk_no} in {name}: a raw payload of "
                                       f"{c.stored_length} bytes (param {c.codec_param}) "
                                       f"for a {c.length}-byte chunk")
                 else:
-                    out.append(bytes(payload))
+                    out.append((payload, span))
             i = j
         self.fetches += len(chunks)
         self.fetched_bytes += sum(c.stored_length for c in chunks)
         return out
+
+    def _buffer(self, size: int) -> bytearray:
+        """A buffer for a run of size bytes: an idle one that nothing holds a
+        view of any more, else a new one (whole SPAN_CLASS_BYTES)."""
+        size = -(-size // SPAN_CLASS_BYTES) * SPAN_CLASS_BYTES
+        with self._lock:
+            idle = self._idle.get(size, [])
+            for k in range(len(idle)):
+                # References: the list and getrefcount's argument; a view a
+                # reader still copies from is one more.
+                if sys.getrefcount(idle[k]) == 2:
+                    self._idle_bytes -= size
+                    self.buffers_reused += 1
+                    return idle.pop(k)
+        return bytearray(size)
 
     def _decode(self, chunk: Chunk, payload) -> bytes:
         name = packs.pack_name(chunk.pack_no)

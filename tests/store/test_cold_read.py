@@ -1,7 +1,8 @@
-"""Reading cold data through the real mount: the prefetcher runs ahead of a
+"""Reading cold data: through the real mount, the prefetcher runs ahead of a
 sequential reader farther than the kernel's own read-ahead, and the checks
 every fetched chunk passes (payload CRC, BLAKE3 id, both in one native call
-per pack span) still refuse a crafted pack.
+per pack span) still refuse a crafted pack; on a real store, the cold
+store's reused read buffers never change bytes a reader still holds.
 """
 
 from __future__ import annotations
@@ -11,8 +12,12 @@ import random
 
 import pytest
 
+from blake3 import blake3
+
 from ckptfs import codec, native, packs
 from ckptfs.backing.local import LocalBackend
+from ckptfs.coldstore import SPAN_CLASS_BYTES, ColdStore
+from ckptfs.index import CHUNK_PACK, Chunk
 from mounting import run_ckptfs
 from posix_helpers import read_file, wait_for, write_file
 
@@ -113,3 +118,42 @@ def test_a_raw_payload_forged_to_keep_its_crc_is_refused(make_mount):
     res = m.fsck()
     assert res.returncode == 4 and "do not match the chunk id" in res.stdout, \
         res.stdout + res.stderr
+
+
+def test_reused_read_buffers_never_change_bytes_a_reader_holds(tmp_path):
+    # Chunks cached as views of one read; once evicted, the read's buffer is
+    # used again, but only when no view of it is held any more.
+    backend = LocalBackend.create(tmp_path / "store")
+    rng = random.Random(3)
+    datas = [rng.randbytes(rng.randrange(40_000, 90_000)) for _ in range(120)]
+    chunks = []
+    with packs.PackWriter.create(backend, packs.pack_name(1)) as w:
+        for n, data in enumerate(datas):
+            e = w.add(blake3(data).digest(), codec.CODEC_RAW, 0, data, len(data))
+            chunks.append(Chunk(n, CHUNK_PACK, 1, len(data), pack_no=1, pack_off=e.offset,
+                                stored_length=len(data), codec=codec.CODEC_RAW,
+                                payload_crc=e.crc, chunk_id=e.chunk_id))
+        w.commit()
+    # A cache of about two runs: each get_many of 30 chunks evicts the one before.
+    cold = ColdStore(backend, 2 * 30 * 90_000)
+    held = []
+    for i in range(0, len(chunks), 30):
+        run = chunks[i:i + 30]
+        assert sum(c.length for c in run) >= SPAN_CLASS_BYTES     # a reusable buffer
+        cold.get_many(run)
+        held.append((run[0], cold.get(run[0])))                     # a reader's view
+        for c in run:
+            out = bytearray(c.length)
+            cold.read_into(memoryview(out), c, 0)
+            assert out == datas[c.chunk_no]
+    for c, view in held:
+        assert bytes(view) == datas[c.chunk_no], f"chunk {c.chunk_no} changed under its reader"
+    del held, view
+    again = ColdStore(backend, 2 * 30 * 90_000)
+    for _ in range(3):                  # evicted buffers come back to later reads
+        for i in range(0, len(chunks), 30):
+            again.get_many(chunks[i:i + 30])
+            for c in chunks[i:i + 30]:
+                assert bytes(again.get(c)) == datas[c.chunk_no]
+    assert again.buffers_reused > 0
+    backend.close()
