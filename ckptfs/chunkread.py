@@ -164,7 +164,8 @@ class ChunkReader:
         if not pieces:
             return bytes(length)
         if self.prefetcher is not None and any(p.chunk.kind == CHUNK_PACK for p in pieces):
-            self.prefetcher.prefetch(self.cold_ahead(ino, off + size, file_size))
+            self.prefetcher.prefetch(self.cold_ahead(ino, off + size, file_size,
+                                                     window if df is None else None))
         # The gate keeps uncommitted space it reads from being reused; the
         # epoch, committed space freed meanwhile.
         buf = self._replies.take(length)
@@ -252,7 +253,10 @@ class ChunkReader:
         for e in extents:
             # Only what the index holds (the watch sees every change of it);
             # anything else is asked for again at each read.
-            loc = ix.log_location(self.index, e.chunk_no)
+            try:
+                loc, record = ix.window_chunk(self.index, e.chunk_no)
+            except CkptfsError:
+                loc = record = None         # damaged: EIO for the reads that need it
             fast = loc is not None and e.chunk_off + e.length <= loc[1]
             if fast:
                 log_off, chunk_len, crcs = loc
@@ -261,10 +265,13 @@ class ChunkReader:
             else:
                 rows.append((e.file_off, e.length, 0, 0, e.length,
                              bytes(4 * -(-e.length // ix.CRC_BLOCK_BYTES))))
-                try:
-                    chunks.append(ix.get_chunk(self.index, e.chunk_no))
-                except CkptfsError:
-                    chunks.append(None)     # damaged: EIO for the reads that need it
+                if record is None and loc is not None:
+                    # A LOG chunk the extent reaches past: its record says what is wrong.
+                    try:
+                        record = ix.get_chunk(self.index, e.chunk_no)
+                    except CkptfsError:
+                        pass
+                chunks.append(record)
             slow.append(slow[-1] + (not fast))
         # A device-DAX log has no read(2): the mapping is read in Python.
         fast_any = slow[-1] < len(extents) and not self.log.dax
@@ -347,24 +354,36 @@ class ChunkReader:
             pieces.append(ReadPiece(s - base, t - s, self.reclaimer.chunk(e.chunk_no),
                                     e.chunk_off + (s - e.file_off)))
 
-    def cold_ahead(self, ino: int, off: int, file_size: int) -> list[Chunk]:
+    def cold_ahead(self, ino: int, off: int, file_size: int,
+                   window: Optional[MapWindow] = None) -> list[Chunk]:
         """Cold chunks a sequential reader of ino will want next, not asked for yet.
 
         Each read continues from where the last one's look-ahead stopped, so a
-        sequential restore scans every extent once, not once per read.
+        sequential restore scans every extent once, not once per read; the
+        part in the reader's window (if given) takes its records from there.
         """
         depth = self.prefetcher.depth_bytes
         horizon = self._ahead.get(ino, 0)
         if horizon > off + depth // 2:
             return []               # far enough ahead already
         start = max(off, horizon) if horizon <= off + AHEAD_RESCAN_BYTES else off
+        stop = min(off + depth, file_size)
         out = []
         end = start
-        for e in ix.iter_extents(self.index, ino, start, min(off + depth, file_size)):
-            end = e.end
-            chunk = ix.get_chunk(self.index, e.chunk_no)
-            if chunk is not None and chunk.kind == CHUNK_PACK:
-                out.append(chunk)
+        if window is not None and window.start <= start < min(stop, window.end):
+            w_stop = min(stop, window.end)
+            i, j = window.span(start, w_stop)
+            for e, chunk in zip(window.extents[i:j], window.chunks[i:j]):
+                end = e.end
+                if chunk is not None and chunk.kind == CHUNK_PACK:
+                    out.append(chunk)
+            start = max(end, w_stop)
+        if start < stop:
+            for e in ix.iter_extents(self.index, ino, start, stop):
+                end = e.end
+                chunk = ix.get_chunk(self.index, e.chunk_no)
+                if chunk is not None and chunk.kind == CHUNK_PACK:
+                    out.append(chunk)
         self._ahead[ino] = max(end, start)
         return out
 

@@ -1401,7 +1401,22 @@ def log_location(kv, chunk_no: int) -> Optional[tuple[int, int, bytes]]:
     other chunk, a missing one or a damaged record (`get_chunk` says more).
     The read windows' loader (chunkread.py): a third of `get_chunk`'s cost."""
     raw = kv._get("chunks", u64(chunk_no))
-    if raw is None or len(raw) < _LOG_FIXED:
+    return None if raw is None else _log_location(raw)
+
+
+def window_chunk(kv, chunk_no: int) -> tuple[Optional[tuple[int, int, bytes]], Optional[Chunk]]:
+    """(`log_location`, None) of a LOG chunk that has one, else (None,
+    `get_chunk`) with one lookup: the read windows' loader, whose cold
+    extents need their records (FormatError if damaged)."""
+    raw = kv._get("chunks", u64(chunk_no))
+    if raw is None:
+        return None, None
+    loc = _log_location(raw)
+    return (loc, None) if loc is not None else (None, Chunk.decode(chunk_no, raw))
+
+
+def _log_location(raw: bytes) -> Optional[tuple[int, int, bytes]]:
+    if len(raw) < _LOG_FIXED:
         return None
     kind, _, length = _CHUNK_HEAD.unpack_from(raw)
     if length > MAX_CHUNK_BYTES:
