@@ -22,7 +22,13 @@ When every extent a read needs is a LOG chunk, the window's native form
 (`native.ExtentTable`) reads them in one call without the GIL: one
 `preadv` per run contiguous in the log, every block CRC-checked, into a
 reply buffer reused once nothing holds it (never zeroed: holes are
-written as zeros).
+written as zeros). A window whose extents are all LOG chunks is also
+published to the FUSE channel's fast path (`publish_to`: fastpath.py),
+which then answers the kernel's READs inside it from the page cache
+without entering the interpreter; a window is withdrawn from it
+whenever it is dropped, and it is dropped before the file's map, its
+chunks or its size change, or the file gets uncommitted changes
+(`changing`).
 
 A read of cold chunks also asks the prefetcher for the cold chunks a
 sequential reader will want next (`cold_ahead`), continuing from where the
@@ -56,12 +62,25 @@ from .sources import SourceFiles
 from .staging import CHUNK_STAGED, StagedRecord
 
 if TYPE_CHECKING:
+    from typing import Protocol
+
     from .coldstore import ColdStore, Prefetcher
+
+    class ReadPublisher(Protocol):
+        """Where read windows are published (fastpath.py's functions)."""
+
+        def read_table(self, ino: int, log_fd: int, table: native.ExtentTable,
+                       start: int, end: int) -> bool: ...
+
+        def read_forget(self, ino: int) -> None: ...
+
+        def read_bytes(self) -> int: ...
 
 INLINE_BYTES = 64 * 1024         # reads up to this size are assembled on the trio thread
 AHEAD_RESCAN_BYTES = 64 << 20    # a reader this far behind its look-ahead starts it again
 
 WINDOW_BYTES = 32 << 20          # the committed map loaded at once for a reader
+WINDOW_BACK_BYTES = 8 << 20      # a reader's next window keeps this much behind the read
 MAX_WINDOWS = 32                 # files whose windows are kept (least recently read go)
 REPLY_BUFFER_BYTES = 1 << 20     # reused reply buffers: the largest FUSE read
 MAX_REPLY_BUFFERS = 8            # more in use at once are allocated and dropped
@@ -93,6 +112,7 @@ class MapWindow:
     chunks: list[Optional[Chunk]]    # None for LOG extents the executor reads
     slow: list[int]                  # slow[k]: extents before k the executor cannot read
     table: Optional[native.ExtentTable]
+    published: bool = False          # the FUSE fast path answers reads inside it
     read_to: int = 0                 # where the last read ended (sequential or not)
     hinted_to: int = 0               # log read-ahead asked for up to this file offset
 
@@ -138,13 +158,30 @@ class ChunkReader:
         self.cold = cold
         self.prefetcher = prefetcher
         self._ahead: dict[int, int] = {}        # ino -> file offset looked ahead to
-        self.bytes_read = 0
+        self._bytes_read = 0
+        self._publisher: Optional["ReadPublisher"] = None
         self._windows: dict[int, MapWindow] = {}        # ino -> its window, oldest first
         self._chunk_users: dict[int, set[int]] = {}     # chunk_no -> inos whose window names it
         self._replies = ReplyBuffers()
         self.window_loads = 0
         self.reads_waited = 0           # window reads that missed the page cache
         index.watch_maps(self._extents_changed, self._chunk_changed)
+
+    @property
+    def bytes_read(self) -> int:
+        """File bytes read since the mount, the fast path's included."""
+        extra = self._publisher.read_bytes() if self._publisher is not None else 0
+        return self._bytes_read + extra
+
+    def publish_to(self, publisher: "ReadPublisher") -> None:
+        """From now on, windows whose extents are all LOG chunks are published
+        to publisher (the FUSE fast path), which answers reads inside them."""
+        self._publisher = publisher
+
+    def changing(self, ino: int) -> None:
+        """ino is about to get uncommitted changes: its window goes (reads
+        are planned from its overlay until it commits)."""
+        self._drop_window(ino)
 
     async def read(self, df: Optional[DirtyFile], ino: int, off: int, size: int,
                    file_size: int) -> bytes | bytearray:
@@ -183,7 +220,7 @@ class ChunkReader:
                                                   limiter=self.io_limiter)
             finally:
                 self.reclaimer.end_read(epoch)
-        self.bytes_read += length
+        self._bytes_read += length
         return buf if length == len(buf) else out
 
     async def _read_window(self, window: MapWindow, i: int, j: int, off: int, length: int
@@ -212,7 +249,7 @@ class ChunkReader:
                                               i, j - i, off, limiter=self.io_limiter)
         finally:
             self.reclaimer.end_read(epoch)
-        self.bytes_read += length
+        self._bytes_read += length
         return buf if length == len(buf) else out
 
     def _hint_ahead(self, window: MapWindow, off: int, end: int) -> None:
@@ -243,10 +280,15 @@ class ChunkReader:
         if window is not None and window.start <= off and end <= window.end:
             self._windows[ino] = window         # most recently read last
             return window
+        w_start = off
         if window is not None:
+            if window.start <= off:
+                # Moving on: READs the kernel sent together arrive out of
+                # order, so the last few MiB before this one still come.
+                w_start = max(window.start, off - WINDOW_BACK_BYTES)
             self._drop_window(ino, window)
         w_end = max(end, min(off + WINDOW_BYTES, file_size))
-        extents = list(ix.iter_extents(self.index, ino, off, w_end))
+        extents = list(ix.iter_extents(self.index, ino, w_start, w_end))
         chunks: list[Optional[Chunk]] = []
         slow = [0]
         rows = []
@@ -275,10 +317,14 @@ class ChunkReader:
             slow.append(slow[-1] + (not fast))
         # A device-DAX log has no read(2): the mapping is read in Python.
         fast_any = slow[-1] < len(extents) and not self.log.dax
-        window = MapWindow(ino, off, w_end, extents, [e.end for e in extents],
+        window = MapWindow(ino, w_start, w_end, extents, [e.end for e in extents],
                            [e.file_off for e in extents], chunks, slow,
                            native.ExtentTable(rows) if fast_any else None)
         self._windows[ino] = window
+        if self._publisher is not None and window.table is not None and slow[-1] == 0:
+            # w_end <= file_size: the fast path never answers past the end.
+            window.published = self._publisher.read_table(ino, self.log.fd, window.table,
+                                                          w_start, w_end)
         for e in extents:
             self._chunk_users.setdefault(e.chunk_no, set()).add(ino)
         while len(self._windows) > MAX_WINDOWS:
@@ -301,6 +347,10 @@ class ChunkReader:
             window = self._windows.pop(ino, None)
             if window is None:
                 return
+        if window.published:
+            # Before its table's memory can go, and before the change is made.
+            self._publisher.read_forget(ino)
+            window.published = False
         for e in window.extents:
             users = self._chunk_users.get(e.chunk_no)
             if users is not None:

@@ -533,6 +533,8 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
         if fastpath.missing:
             log.warning("%s; every request goes through pyfuse3", fastpath.missing)
         log.debug("FUSE channel fast path: %s", "on" if fastpath.hooked() else "off")
+        if fastpath.hooked():
+            fs.files.reader.publish_to(fastpath)     # READs of read windows answered in C
         trio.run(_run, fs, opts, ready_fd, sock_path, attempt, metrics, merged)
     except (CkptfsError, OSError) as e:
         log.error("%s", e)

@@ -5,7 +5,10 @@ here with RTLD_GLOBAL) stands in for libfuse's ``fuse_session_mount`` and can
 put itself between the kernel's FUSE fd and libfuse (native/ckptfs_fuse.h).
 Once installed it answers the kernel's GETXATTR("security.capability") for
 inodes `caps_absent` marked without entering the interpreter, counts every
-request by opcode, and says when the INIT reply has gone out.
+request by opcode, and says when the INIT reply has gone out. It also
+answers READs of files whose read table the reader published (`read_table`:
+chunkread.py's window of a file with no uncommitted changes) when every byte
+is in the page cache, without entering the interpreter.
 
 In a process that loaded pyfuse3 first (tests that import the adapter) the
 fast path cannot install itself: `hooked()` stays False and every request
@@ -19,7 +22,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from ckptfs.native import ExtentTable
 
 missing: Optional[str] = None      # why the C module is not there, if it is not
 _flags = sys.getdlopenflags()
@@ -49,7 +55,7 @@ OPCODES = {
     48: "SETUPMAPPING", 49: "REMOVEMAPPING", 50: "SYNCFS", 51: "TMPFILE", 52: "STATX",
 }
 _N_OPCODES = 64
-_N_COUNTERS = _N_OPCODES + 4
+_N_COUNTERS = _N_OPCODES + 7
 
 
 def want(on: bool = True) -> None:
@@ -76,6 +82,42 @@ def caps_unknown(ino: int) -> None:
         lib.ckptfs_fuse_caps_unknown(ino)
 
 
+_executor_given = False
+
+
+def read_table(ino: int, log_fd: int, table: "ExtentTable", start: int, end: int
+               ) -> bool:
+    """READs of ino within file bytes [start, end) (end <= its size) are
+    answered in C from table (its extents all LOG chunks, the map as the
+    index has it) until `read_forget(ino)`, which must come before the map,
+    its chunks or the size change, and before table is dropped. False (and
+    nothing registered) when the fast path is not on."""
+    global _executor_given
+    if not hooked():
+        return False
+    if not _executor_given:
+        from ckptfs import native
+        lib.ckptfs_fuse_read_executor(*native.read_executor_addresses())
+        _executor_given = True
+    ext, count, crcs, n_crcs = table.addresses()
+    return lib.ckptfs_fuse_read_table(ino, log_fd, ext, count, crcs, n_crcs, start, end) == 0
+
+
+def read_forget(ino: int) -> None:
+    """READs of ino go to the daemon again."""
+    if lib is not None:
+        lib.ckptfs_fuse_read_forget(ino)
+
+
+def read_bytes() -> int:
+    """File bytes the fast path has answered READs with. Any thread."""
+    if lib is None:
+        return 0
+    out = ffi.new("uint64_t[]", _N_COUNTERS)
+    lib.ckptfs_fuse_counters(out, _N_COUNTERS)
+    return int(out[_N_OPCODES + 5])
+
+
 def init_replied() -> bool:
     """Has libfuse answered the kernel's INIT (after which read-ahead may be raised)?"""
     return lib is not None and bool(lib.ckptfs_fuse_init_replied())
@@ -87,7 +129,8 @@ def stats() -> dict[str, object]:
     in C. Counted only while the fast path is on. Any thread."""
     if lib is None:
         return {"fuse_fastpath": False, "fuse_requests": {}, "fuse_write_bytes": 0,
-                "fuse_getxattr_answered_in_c": 0}
+                "fuse_getxattr_answered_in_c": 0, "fuse_read_answered_in_c": 0,
+                "fuse_read_bytes_in_c": 0, "fuse_read_passed_on": 0}
     out = ffi.new("uint64_t[]", _N_COUNTERS)
     lib.ckptfs_fuse_counters(out, _N_COUNTERS)
     requests = {OPCODES.get(i, f"OP{i}"): int(out[i]) for i in range(_N_OPCODES) if out[i]}
@@ -95,4 +138,7 @@ def stats() -> dict[str, object]:
         requests["OTHER"] = int(out[_N_OPCODES])
     return {"fuse_fastpath": hooked(), "fuse_requests": requests,
             "fuse_write_bytes": int(out[_N_OPCODES + 1]),
-            "fuse_getxattr_answered_in_c": int(out[_N_OPCODES + 2])}
+            "fuse_getxattr_answered_in_c": int(out[_N_OPCODES + 2]),
+            "fuse_read_answered_in_c": int(out[_N_OPCODES + 4]),
+            "fuse_read_bytes_in_c": int(out[_N_OPCODES + 5]),
+            "fuse_read_passed_on": int(out[_N_OPCODES + 6])}

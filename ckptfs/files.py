@@ -96,6 +96,7 @@ class FileData:
         """ino's uncommitted changes, made (with size, or size()) if it has none."""
         df = self.dirty_files.get(ino)
         if df is None:
+            self.reader.changing(ino)
             df = self.dirty_files[ino] = DirtyFile(
                 ino, size() if callable(size) else size, self.log.release,
                 self._first_ref, self._last_ref)

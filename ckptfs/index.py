@@ -231,7 +231,9 @@ REDO_MAX_AGE_S = 10.0
 
 _U64 = struct.Struct(">Q")
 _U64x2 = struct.Struct(">QQ")
-_WATCHED_DBS = frozenset(("extents", "chunks"))     # what `Index.watch_maps` reports
+# What `Index.watch_maps` reports: inodes too, since a read window may only
+# answer reads below the file's size.
+_WATCHED_DBS = frozenset(("extents", "chunks", "inodes"))
 _EXTENT = struct.Struct("<QQQ")
 _DIRENT = struct.Struct("<QQ")
 _CHUNK_HEAD = struct.Struct("<BIQ")
@@ -805,17 +807,18 @@ class Index:
 
     def watch_maps(self, extents_changed: Callable[[int], None],
                    chunk_changed: Callable[[int], None]) -> None:
-        """Be told of every change to a file's extent map (its inode number)
-        and to a chunk record (its number), as each is made, on the trio
+        """Be told of every change to a file's extent map or inode record
+        (its inode number: extents_changed) and to a chunk record (its
+        number), as each is made, on the trio
         thread: caches of them (chunkread.py's read windows) drop what
         changed. Every write of the live index passes `_put`/`_delete`, so
         no change escapes them."""
         self._watchers.append((extents_changed, chunk_changed))
 
     def _map_changed(self, db: str, key: bytes) -> None:
-        number = _U64.unpack_from(key)[0]       # extents: (ino, off); chunks: chunk_no
+        number = _U64.unpack_from(key)[0]       # inodes: ino; extents: (ino, off); chunks: chunk_no
         for extents_changed, chunk_changed in self._watchers:
-            (extents_changed if db == "extents" else chunk_changed)(number)
+            (chunk_changed if db == "chunks" else extents_changed)(number)
 
     def check_writable(self) -> None:
         """ReadOnly once an index failure or a fence made the filesystem read-only."""

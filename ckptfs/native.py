@@ -522,7 +522,20 @@ class ExtentTable:
             return 0, 0, 0, 0
         return int(err.kind), int(err.err), int(err.log_off), int(err.block)
 
+    def addresses(self) -> tuple[int, int, int, int]:
+        """(extents, count, CRCs, CRC count) as addresses, for the FUSE fast
+        path's read table (fastpath.read_table): valid while self lives."""
+        return (int(ffi.cast("uintptr_t", self._ext)), self.count,
+                int(ffi.cast("uintptr_t", self._crcs)), self._n_crcs)
+
     def hint(self, fd: int, off: int, length: int) -> None:
         """Ask the kernel to read ahead the log bytes of file bytes [off,
         off + length). Advice only; may block briefly (GIL released)."""
         lib.ckptfs_hint_extents(fd, self._ext, self.count, off, length)
+
+
+def read_executor_addresses() -> tuple[int, int]:
+    """The addresses of ckptfs_read_extents and ckptfs_hint_extents, for
+    the FUSE fast path (a module of its own that calls them)."""
+    return (int(ffi.cast("uintptr_t", ffi.addressof(lib, "ckptfs_read_extents"))),
+            int(ffi.cast("uintptr_t", ffi.addressof(lib, "ckptfs_hint_extents"))))

@@ -19,6 +19,15 @@
  *    fd is non-blocking), at most FP_MAX_BURST in a row, so a stream of them
  *    costs one event loop wake-up, not one each.  A read that finds nothing
  *    waiting reports EINTR, which pyfuse3 answers by waiting again.
+ *  - answers READ itself for a file the daemon published a read table of
+ *    (ckptfs_fuse_read_table: chunkread.py's read window of a file with no
+ *    uncommitted changes, every extent a LOG chunk), when every byte asked
+ *    for is in the table and in the page cache: the read executor
+ *    (ckptfs_readx.c, given by address: ckptfs_fuse_read_executor) fills a
+ *    reply buffer, every block CRC-checked, and the reply is written here,
+ *    with the GIL released.  Anything else (a byte not cached, a check that
+ *    fails, a range outside the table) goes to libfuse, and the daemon's
+ *    read path does it as before (a failed check is EIO there);
  * The write side notes when libfuse has sent the INIT reply: the kernel
  * resets the mount's read-ahead while it handles that reply, so the daemon
  * raises it only after (ckptfs_fuse_init_replied).
@@ -50,13 +59,34 @@ void ckptfs_fuse_caps_absent(uint64_t ino);
  * GETXATTR goes to the daemon again.  Call it before the change is made. */
 void ckptfs_fuse_caps_unknown(uint64_t ino);
 
+/* The read executor's two functions (ckptfs._native: ckptfs_read_extents and
+ * ckptfs_hint_extents, as addresses), needed before any read table. */
+void ckptfs_fuse_read_executor(uintptr_t read_extents, uintptr_t hint_extents);
+
+/* Answer READs of inode ino for file bytes [start, end) (end <= the file's
+ * size) from the n extents at ext (ckptfs_rx_extent[], file order, every one
+ * a LOG chunk; zeros between them) whose CRCs are crcs[0, n_crcs), read from
+ * log_fd.  The memory stays the caller's and must stay valid and unchanged
+ * until ckptfs_fuse_read_forget(ino): call that before the file's map, its
+ * chunks or its size change, or the memory goes.  Replaces an earlier table
+ * of ino; with every slot taken, the oldest goes.  0, or -1 if no executor
+ * was given. */
+int ckptfs_fuse_read_table(uint64_t ino, int log_fd, uintptr_t ext, size_t n, uintptr_t crcs,
+                           size_t n_crcs, uint64_t start, uint64_t end);
+
+/* READs of ino go to the daemon again (no-op if it has no table). */
+void ckptfs_fuse_read_forget(uint64_t ino);
+
 /* 1 once libfuse has sent the reply to the kernel's INIT request. */
 int ckptfs_fuse_init_replied(void);
 
 /* Counters since the mount: out[i] for i < 64 is the number of requests with
  * opcode i (FUSE_* of linux/fuse.h) that were read; out[64] the requests with
  * a larger opcode; out[65] the WRITE payload bytes; out[66] the GETXATTRs
- * answered here; out[67] the reads that found nothing waiting.  n <= 68. */
+ * answered here; out[67] the reads that found nothing waiting; out[68] the
+ * READs answered here, out[69] their bytes; out[70] READs of a file with a
+ * table that went to the daemon (not cached, outside the table, a failed
+ * check).  n <= 71. */
 void ckptfs_fuse_counters(uint64_t *out, size_t n);
 
 #endif
