@@ -917,6 +917,8 @@ class Bench:
         st = t.daemon_stats()
         return {f"{phase}_fuse_requests": st.get("fuse_requests"),
                 f"{phase}_getxattr_answered_in_c": st.get("fuse_getxattr_answered_in_c"),
+                f"{phase}_read_answered_in_c": st.get("fuse_read_answered_in_c"),
+                f"{phase}_read_passed_on": st.get("fuse_read_passed_on"),
                 f"{phase}_commits": st.get("commits"),
                 f"{phase}_commit_ms_avg": round(1000 * st.get("commit_seconds_avg", 0), 3),
                 f"{phase}_daemon_hwm_mb": round((proc_status_kb(t.pid, "VmHWM") or 0) * KiB / MB, 1)}
