@@ -31,9 +31,12 @@ Workloads (full sizes; --quick shrinks them):
   torch_save    torch.save of a ~1 GB state dict of 32 float32 tensors, as users call
                 it: no fsync (an fsync right after is timed separately, for information)
   torch_load    torch.load(weights_only=True) after unmount, drop caches, remount
-  shards8       8 files of 256 MiB written (untimed), then after unmount, drop caches,
+  shards8       8 files of 256 MiB written (untimed) in one checkpoint directory (the
+                mount root for minfs, which has none), then after unmount, drop caches,
                 remount, 8 processes each read their own at once in 1 MiB reads:
-                aggregate MB/s (a sharded restore)
+                aggregate MB/s (a sharded restore). One directory, as a sharded save
+                writes them: in ckptfs's root each file would be a checkpoint version of
+                its own, and tiering keeps only the 2 newest versions in the log
   cold_tier     ckptfs only: a 1 GiB file moved to the backing store (`ckptfs tier
                 --now --all`), then read after unmount, drop caches, remount (every
                 chunk fetched from packs, decompressed, verified): MB/s, against
@@ -834,6 +837,9 @@ class Bench:
     def run_shards8(self, t: Target, tag: str) -> dict:
         s, d = self.sizes, {}
         wd = t.prepare(tag)
+        if not isinstance(t, MinfsTarget):      # minfs has no directories
+            wd = wd / "step-1000"
+            wd.mkdir()
         paths = [wd / f"shard{i}.bin" for i in range(8)]
         for i, path in enumerate(paths):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
