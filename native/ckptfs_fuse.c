@@ -297,8 +297,10 @@ static int answer_read(int fd, const struct fuse_in_header *in, size_t len)
         bump(FP_READS_PASSED, 1);
         return 0;
     }
-    if (w < 0 && e == ENODEV)
+    if (w < 0 && e == ENODEV) {
+        errno = ENODEV;
         return -1;              /* unmounted: libfuse ends the session */
+    }
     /* ENOENT: the request was interrupted meanwhile, nobody waits for it. */
     bump(FP_FAST_READS, 1);
     bump(FP_FAST_READ_BYTES, size);
