@@ -93,8 +93,8 @@ def read_table(ino: int, log_fd: int, table: "ExtentTable", start: int, end: int
     its chunks or the size change, and before table is dropped. False (and
     nothing registered) when the fast path is not on."""
     global _executor_given
-    if not hooked():
-        return False
+    if not hooked() or not hasattr(lib, "ckptfs_fuse_read_table"):
+        return False        # off, or a _fusepath built before READs were answered in C
     if not _executor_given:
         from ckptfs import native
         lib.ckptfs_fuse_read_executor(*native.read_executor_addresses())
@@ -105,7 +105,7 @@ def read_table(ino: int, log_fd: int, table: "ExtentTable", start: int, end: int
 
 def read_forget(ino: int) -> None:
     """READs of ino go to the daemon again."""
-    if lib is not None:
+    if lib is not None and hasattr(lib, "ckptfs_fuse_read_forget"):
         lib.ckptfs_fuse_read_forget(ino)
 
 
