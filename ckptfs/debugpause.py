@@ -8,10 +8,11 @@ pack-writing (a pack half written), pack-written (committed in the store,
 not yet named by the index), pass-done (a pass finished and durable),
 pack-dead (a pack that lost its last chunk left the index, its blob not yet
 deleted), publish-failed (a publishing round failed, its error not yet
-recorded). Unset (always, outside tests), `pausing_at` is False everywhere.
+recorded), stream-feed (a write stream's chunk feed, behind writes already
+answered: staging.py). Unset (always, outside tests), `pausing_at` is False everywhere.
 
-`pause_blocking` waits on the mover's worker thread (blocks); `pause` on the
-trio thread (only the mover's task waits).
+`pause_blocking` waits on a worker thread (blocks); `pause` on the trio
+thread (only the calling task waits).
 
 CKPTFS_DEBUG_FAIL="POINT:PATH": once PATH exists, the first time the daemon
 reaches POINT it raises an unexpected exception there (a bug standing in),

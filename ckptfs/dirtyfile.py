@@ -14,8 +14,12 @@ The gate orders the file's I/O; nothing outside this class reads its counts:
 - `async with df.reading()`: a read of bytes the overlay names.
 - `async with df.cutting()`: a commit cutting staged bytes into chunks; new
   writes wait meanwhile.
-- `await df.quiesce()`: until no write is in flight and no cut runs (reads
-  and commits see every write that arrived before them).
+- `df.feed_begins()` / `df.feed_ends()`: a write stream's chunk feed runs
+  behind the writes it was handed (staging.py): a write is answered once
+  its bytes are in the log and the overlay, its chunks are cut after.
+- `await df.quiesce()`: until no write is in flight, no feed runs behind
+  the writes and no cut runs (reads and commits see every write that
+  arrived before them, cut into chunks as far as its stream goes).
 - `give_back(off, length, written)`: log space the file no longer needs,
   released now or, if a read or write of the file in flight may still touch
   it, once that I/O ends.
@@ -76,6 +80,8 @@ class DirtyFile:
         self._writes_done = trio.Event()
         self._writes_done.set()
         self._cut: Optional[trio.Event] = None  # set when the running cut ends
+        self._feeds = 0                         # feeds running behind the writes
+        self._fed: Optional[trio.Event] = None  # set when the last of them ends
         self._held: list[tuple[int, int]] = []  # space given back while I/O was in flight
 
     @property
@@ -85,8 +91,8 @@ class DirtyFile:
 
     @property
     def quiet(self) -> bool:
-        """No write in flight and no cut running."""
-        return self._writes == 0 and self._cut is None
+        """No write in flight, no feed behind the writes, no cut running."""
+        return self._writes == 0 and self._cut is None and self._fed is None
 
     def touch(self, now_ns: int) -> None:
         """The file's content changed at now_ns (mtime and ctime at commit)."""
@@ -135,12 +141,27 @@ class DirtyFile:
             self._cut = None
             done.set()
 
+    def feed_begins(self) -> None:
+        """A stream's feed starts running behind the writes (a stream that
+        ended may still finish its last feed call while a new one starts)."""
+        if self._feeds == 0:
+            self._fed = trio.Event()
+        self._feeds += 1
+
+    def feed_ends(self) -> None:
+        self._feeds -= 1
+        if self._feeds == 0:
+            done, self._fed = self._fed, None
+            done.set()
+
     async def quiesce(self) -> None:
-        """Wait until no write is in flight and no cut runs. Returns at once,
-        without yielding, if none does."""
+        """Wait until no write is in flight, no feed runs and no cut runs.
+        Returns at once, without yielding, if none does."""
         while True:
             if self._writes:
                 await self._writes_done.wait()
+            elif self._fed is not None:
+                await self._fed.wait()
             elif self._cut is not None:
                 await self._cut.wait()
             else:

@@ -15,23 +15,34 @@ the log at once.
   is cut when the file is committed (`cut_for_commit`).
 With dedup off, each write piece is a chunk as it is (no id).
 
+A stream write is answered once its bytes are in the log and the overlay
+names them; the chunk feed (gear scan, BLAKE3, CRC-32C: `BatchChunker`) runs
+behind the writes, in their order, in a task of its own that hands a worker
+thread every write ready to feed at once and settles the chunks back on the
+trio thread (`_feed_behind`). Until it has caught up the bytes are staged
+like any other: a read or a commit of the file waits for the feed
+(`DirtyFile.quiesce`), and nothing staged is ever durable, so a crash before
+the feed ends loses only bytes no fsync or close covered. At most
+FEED_BACKLOG_BYTES wait for the feed; a write past that waits for it.
+
 The stager decides what runs on a worker thread: byte work over
-INLINE_BYTES, and a stream write whose turn to feed the chunker has not come
-(it waits for the writes before it). `store` and `cut_for_commit` run on the
-trio thread and offload; the `*_blocking` functions do the byte work and may
-block; everything else runs on the trio thread without blocking.
+INLINE_BYTES (a small stream write whose turn has come is fed inline, with no
+task). `store` and `cut_for_commit` run on the trio thread and offload; the
+`*_blocking` functions do the byte work and may block; everything else runs
+on the trio thread without blocking.
 """
 
 from __future__ import annotations
 
 import bisect
-import threading
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TypeVar
 
 import trio
 
 from .chunker import MAX_CHUNK_BYTES, BatchChunker, NamedChunks
+from .debugpause import pause_blocking, pausing_at
 from .dirtyfile import MAX_FILE_BYTES, DirtyFile
 from .errors import DamagedData, FileTooLarge
 from .index import CHUNK_LOG, Chunk, Extent, Index
@@ -41,10 +52,14 @@ from .pmemlog import PmemLog
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 CHUNK_STAGED = 0                 # kind of a StagedRecord: in memory only, never in the index
 ARENA_BYTES = 64 << 20           # log space a write stream reserves at a time
 CUT_READ_BYTES = 4 << 20         # commit-time cutting reads staged bytes this much at a time
 INLINE_BYTES = 64 * 1024         # byte work up to this size runs on the trio thread
+FEED_BACKLOG_BYTES = 32 << 20    # stream bytes answered but not yet fed, at most
+FEED_CALL_BYTES = 8 << 20        # fed in one worker-thread call, at most
 
 
 @dataclass(eq=False)
@@ -128,9 +143,10 @@ class ChunkBatch:
 class ChunkStream:
     """A file being written front to back, cut into chunks as it arrives.
 
-    Writes store their bytes in parallel, then take turns feeding the
-    chunker in the order they arrived (`tickets`, handed out on the trio
-    thread as writes arrive; `turn` wakes the worker thread whose turn it is).
+    Writes store their bytes in parallel; the chunker is fed their bytes in
+    the order they arrived (`tickets`, handed out on the trio thread as
+    writes arrive), behind them: each write whose bytes are in the log waits
+    in `ready` until the feed reaches its ticket.
     """
 
     base: int                        # file offset of the chunker's position 0
@@ -143,13 +159,18 @@ class ChunkStream:
     alive: bool = True
     tickets: int = 0                 # handed out so far
     next_ticket: int = 0             # whose turn it is to feed the chunker
-    turn: threading.Condition = field(default_factory=threading.Condition)
+    # ticket -> (plan, data) of writes in the log waiting for the feed
+    ready: dict[int, tuple["WritePlan", bytes]] = field(default_factory=dict)
+    ready_bytes: int = 0
+    feeding: bool = False            # the feed task runs
+    fed: trio.Event = field(default_factory=trio.Event)   # set (and replaced) per feed call
 
     def stop(self) -> None:
-        """No more feeding: release every worker waiting for its turn."""
-        with self.turn:
-            self.alive = False
-            self.turn.notify_all()
+        """No more feeding: what is not fed yet is cut at commit."""
+        self.alive = False
+        self.ready.clear()
+        self.ready_bytes = 0
+        self.fed.set()
 
     def locate(self, file_off: int) -> tuple[int, int]:
         """(log offset, staged no) of a streamed byte."""
@@ -237,15 +258,17 @@ class WriteStager:
         the file (a file that lost a write must not commit half of its new
         content); an I/O error is DamagedData."""
         try:
-            if plan.stream is not None:
-                if len(data) <= INLINE_BYTES and plan.stream.next_ticket == plan.ticket:
-                    batch = self.store_stream_blocking(plan, data)   # nobody ahead of us
-                else:
-                    batch = await trio.to_thread.run_sync(
-                        self.store_stream_blocking, plan, data, limiter=self.io_limiter)
-                self.store_once(df, batch)
+            stream = plan.stream
+            if stream is not None and len(data) <= INLINE_BYTES \
+                    and stream.next_ticket == plan.ticket and not stream.feeding \
+                    and not stream.ready:
+                # Nobody ahead of us: store and feed at once, no task.
+                self.store_blocking(plan, data)
+                self.store_once(df, self.feed_blocking(stream, [(plan, data)]))
             else:
                 await self._inline_if_small(len(data), self.store_blocking, plan, data)
+                if stream is not None and stream.alive:
+                    await self._hand_to_feed(df, stream, plan, data)
         except BaseException as e:
             # Cancelled (a request aborted at unmount), an I/O error, anything:
             # the bytes may not be in the log, so this content must never commit.
@@ -255,6 +278,56 @@ class WriteStager:
             if isinstance(e, OSError):
                 raise DamagedData(f"log write failed: {e}") from e
             raise
+
+    async def _hand_to_feed(self, df: DirtyFile, stream: ChunkStream, plan: WritePlan,
+                            data: bytes) -> None:
+        """Queue a stored stream write for the feed, start the feed task if it
+        is not running, and wait while too much waits to be fed."""
+        stream.ready[plan.ticket] = (plan, data)
+        stream.ready_bytes += len(data) - plan.stream_pos
+        if not stream.feeding:
+            stream.feeding = True
+            df.feed_begins()
+            trio.lowlevel.spawn_system_task(self._feed_behind, df, stream,
+                                            name="ckptfs stream feed")
+        while stream.alive and stream.ready_bytes > FEED_BACKLOG_BYTES:
+            await stream.fed.wait()
+
+    async def _feed_behind(self, df: DirtyFile, stream: ChunkStream) -> None:
+        """Feed the stream's ready writes in ticket order, a worker-thread call
+        at a time, and settle their chunks; ends when the next write in order
+        is not ready (its own hand-over starts the task again).
+
+        A system task (nothing waits for it but `DirtyFile.quiesce`): any
+        failure marks the file, whose commit then fails, as a failed write does."""
+        try:
+            while stream.alive:
+                jobs: list[tuple[WritePlan, bytes]] = []
+                nbytes = 0
+                ticket = stream.next_ticket
+                while ticket in stream.ready and nbytes < FEED_CALL_BYTES:
+                    plan, data = stream.ready.pop(ticket)
+                    jobs.append((plan, data))
+                    nbytes += len(data) - plan.stream_pos
+                    ticket += 1
+                if not jobs:
+                    break
+                stream.ready_bytes -= nbytes
+                batch = await trio.to_thread.run_sync(self.feed_blocking, stream, jobs, True,
+                                                      limiter=self.io_limiter)
+                fed, stream.fed = stream.fed, trio.Event()
+                fed.set()
+                self.store_once(df, batch)
+        except BaseException as e:     # noqa: B036 - a system task must not raise
+            if df.write_error is None:
+                df.write_error = e
+            if df.stream is stream:
+                self.end_stream(df)        # the chunker missed these bytes
+            if not isinstance(e, trio.Cancelled):
+                log.error("inode %d: cutting written bytes into chunks failed: %r", df.ino, e)
+        finally:
+            stream.feeding = False
+            df.feed_ends()
 
     async def cut_for_commit(self, df: DirtyFile) -> None:
         """Cut every byte of df not yet cut into chunks and store each once:
@@ -391,26 +464,26 @@ class WriteStager:
             else:
                 chunk.crcs = self.log.store(log_off, view[pos:pos + length])
 
-    def store_stream_blocking(self, plan: WritePlan, data: bytes) -> ChunkBatch:
-        """Copy a stream write into its arena, then, in its turn, cut and name
-        the chunks it completes. May block (also waiting for earlier writes' turns)."""
-        self.store_blocking(plan, data)
-        stream = plan.stream
-        with stream.turn:
-            while stream.alive and stream.next_ticket != plan.ticket:
-                stream.turn.wait()
-            try:
-                return self._feed(stream, plan, data) if stream.alive else ChunkBatch()
-            finally:
-                stream.next_ticket = plan.ticket + 1
-                stream.turn.notify_all()
-
-    def _feed(self, stream: ChunkStream, plan: WritePlan, data: bytes) -> ChunkBatch:
-        if plan.cut_at is not None:
-            stream.chunker.add_boundaries([plan.cut_at - stream.base])
-        # One native pass names every chunk the write completes; a chunk begun
-        # by earlier writes was hashed as they passed, nothing is read back.
-        return self._locate(stream, stream.chunker.feed_named(memoryview(data)[plan.stream_pos:]))
+    def feed_blocking(self, stream: ChunkStream, jobs: list[tuple[WritePlan, bytes]],
+                      behind: bool = False) -> ChunkBatch:
+        """Cut and name the chunks that consecutive stream writes (from the
+        stream's next ticket on, in order) complete. May block: CPU work.
+        behind: the feed task's call, on a worker thread, after the replies."""
+        if behind and pausing_at("stream-feed"):
+            pause_blocking("stream-feed")
+        batch = ChunkBatch()
+        for plan, data in jobs:
+            if not stream.alive:
+                break                   # stopped meanwhile: the rest is cut at commit
+            assert plan.ticket == stream.next_ticket
+            stream.next_ticket += 1
+            if plan.cut_at is not None:
+                stream.chunker.add_boundaries([plan.cut_at - stream.base])
+            # One native pass names every chunk the write completes; a chunk
+            # begun by earlier writes was hashed as they passed, nothing is read back.
+            self._locate(stream, stream.chunker.feed_named(memoryview(data)[plan.stream_pos:]),
+                         batch)
+        return batch
 
     def finish_stream_blocking(self, stream: ChunkStream) -> ChunkBatch:
         """Cut the stream's unfinished tail; later writes start a fresh chunker. May block."""
@@ -420,9 +493,12 @@ class WriteStager:
         return batch
 
     @staticmethod
-    def _locate(stream: ChunkStream, named: NamedChunks) -> ChunkBatch:
-        """Where streamed chunks lie: a chunk never straddles two arenas."""
-        batch = ChunkBatch()
+    def _locate(stream: ChunkStream, named: NamedChunks,
+                batch: Optional[ChunkBatch] = None) -> ChunkBatch:
+        """Where streamed chunks lie (added to batch): a chunk never straddles
+        two arenas."""
+        if batch is None:
+            batch = ChunkBatch()
         base = stream.base
         for at in named.offsets:
             file_off = base + at

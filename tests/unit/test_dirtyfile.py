@@ -108,3 +108,29 @@ def test_space_given_back_waits_for_the_io_that_may_touch_it(written):
             go.set()
         assert sorted(released) == [(100, 10), (200, 5)]
     trio.run(main)
+
+
+def test_quiesce_waits_for_every_feed_behind_the_writes():
+    """A stream's feed runs after its writes were answered: the file is not
+    quiet (no read, no commit) until the last feed running behind it ends,
+    also when an ended stream's feed overlaps a new stream's."""
+    async def main():
+        df, _ = make()
+        done: list[str] = []
+
+        async def quiescer() -> None:
+            await df.quiesce()
+            done.append("quiet")
+
+        df.feed_begins()
+        df.feed_begins()            # a new stream's feed while the old one ends
+        assert not df.quiet
+        async with trio.open_nursery() as n:
+            n.start_soon(quiescer)
+            await trio.testing.wait_all_tasks_blocked()
+            df.feed_ends()
+            await trio.testing.wait_all_tasks_blocked()
+            assert done == [] and not df.quiet
+            df.feed_ends()
+        assert done == ["quiet"] and df.quiet
+    trio.run(main)
