@@ -325,19 +325,25 @@ class FileData:
             inode.data_bytes -= self._punch(df.ino, df.trunc_to, MAX_FILE_BYTES)
         # A new file or an O_TRUNC rewrite has nothing left to punch out.
         overwrites = next(ix.iter_extents(self.index, df.ino), None) is not None
+        new_extents = []
         for e in extents:
             if overwrites:
                 inode.data_bytes -= self._punch(df.ino, e.file_off, e.end)
             if e.chunk_no == ZERO_CHUNK:
                 continue                # a hole reads as the zeros written
-            ix.put_extent(self.index, df.ino, e)
+            new_extents.append(e)
             inode.data_bytes += e.length
+        # The overlay's extents never overlap, so none of them is punched by
+        # another's punch: all of them go in at once, after.
+        ix.put_extents(self.index, df.ino, new_extents)
+        new_chunks = []
         for chunk_no, n in refs.items():
             chunk = df.new_chunks.pop(chunk_no, None)
             if chunk is not None:
                 chunk.refcount = n
-                ix.add_chunk(self.index, chunk)
+                new_chunks.append(chunk)
                 self.index.persist_before_commit(chunk.log_off, chunk.length, chunk_no)
+        ix.add_chunks(self.index, new_chunks)
         for chunk_no in pinned:
             self.reclaimer.unpin(chunk_no)
         inode.size = df.size

@@ -137,3 +137,40 @@ def test_small_batch_carries_its_log_bytes_and_persists_them_before_dropping_the
     assert events[1:] == [[(131072, 4096)]]          # the last one persisted at stop
     assert records() == []
     index.close()
+
+
+def test_add_chunks_in_bulk_puts_what_add_chunk_puts_one_by_one(tmp_path):
+    """A file's commit adds its new chunks and extents in bulk (`add_chunks`,
+    `put_extents`: one sorted merge per table): every table and total must
+    come out as with `add_chunk` and `put_extent` per chunk, the kinds the
+    bulk path leaves to `add_chunk` included, over keys already pending."""
+    rng = random.Random(14)
+    chunks = []
+    for no in range(1, 400):
+        kind = ix.CHUNK_LOG if no % 37 else ix.CHUNK_SOURCE
+        chunks.append(ix.Chunk(no, kind, 1 + no % 3, 1000 + no, log_off=no << 16,
+                               crcs=b"\1\2\3\4", chunk_id=rng.randbytes(32) if no % 5 else b"",
+                               copied=kind == ix.CHUNK_LOG and no % 11 == 0,
+                               pack_no=1 if no % 11 == 0 else 0, stored_length=500,
+                               source_path=b"/x" if kind == ix.CHUNK_SOURCE else b""))
+    extents = [ix.Extent(i * 4096, 4096, i + 1, 0) for i in range(399)]
+    tables = ("chunks", "chunkids", "logmap", "unpublished", "extents", "packs")
+    seen = []
+    for bulk in (False, True):
+        index = Index(str(tmp_path / f"index{bulk}"))
+        ix.add_chunk(index, ix.Chunk(10_000, ix.CHUNK_LOG, 1, 5, log_off=1 << 40,
+                                     chunk_id=b"\7" * 32))
+        ix.put_extent(index, 3, ix.Extent(0, 5, 10_000, 0))
+        if bulk:
+            ix.put_extents(index, 3, extents)
+            ix.add_chunks(index, chunks)
+        else:
+            for e in extents:
+                ix.put_extent(index, 3, e)
+            for c in chunks:
+                ix.add_chunk(index, c)
+        lo, hi = b"", b"\xff" * 64
+        seen.append(({t: list(index._items(t, lo, hi)) for t in tables}, dict(index.counters)))
+        index.close()
+    assert seen[0][0]["logmap"] and seen[0][0]["unpublished"]
+    assert seen[1] == seen[0]
