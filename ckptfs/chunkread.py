@@ -78,6 +78,7 @@ if TYPE_CHECKING:
 
 INLINE_BYTES = 64 * 1024         # reads up to this size are assembled on the trio thread
 AHEAD_RESCAN_BYTES = 64 << 20    # a reader this far behind its look-ahead starts it again
+AHEAD_RECORDS = 8192             # cold chunk records kept for the next windows, at most
 
 WINDOW_BYTES = 32 << 20          # the committed map loaded at once for a reader
 WINDOW_BACK_BYTES = 8 << 20      # a reader's next window keeps this much behind the read
@@ -158,6 +159,9 @@ class ChunkReader:
         self.cold = cold
         self.prefetcher = prefetcher
         self._ahead: dict[int, int] = {}        # ino -> file offset looked ahead to
+        # Cold chunk records the look-ahead read past a window's end, for the
+        # next window's load (dropped when the index changes them).
+        self._ahead_records: dict[int, Chunk] = {}
         self._bytes_read = 0
         self._publisher: Optional["ReadPublisher"] = None
         self._windows: dict[int, MapWindow] = {}        # ino -> its window, oldest first
@@ -295,10 +299,14 @@ class ChunkReader:
         for e in extents:
             # Only what the index holds (the watch sees every change of it);
             # anything else is asked for again at each read.
-            try:
-                loc, record = ix.window_chunk(self.index, e.chunk_no)
-            except CkptfsError:
-                loc = record = None         # damaged: EIO for the reads that need it
+            record = self._ahead_records.pop(e.chunk_no, None)
+            if record is not None:
+                loc = None                  # a cold chunk: no log location
+            else:
+                try:
+                    loc, record = ix.window_chunk(self.index, e.chunk_no)
+                except CkptfsError:
+                    loc = record = None     # damaged: EIO for the reads that need it
             fast = loc is not None and e.chunk_off + e.length <= loc[1]
             if fast:
                 log_off, chunk_len, crcs = loc
@@ -363,6 +371,7 @@ class ChunkReader:
             self._drop_window(ino)
 
     def _chunk_changed(self, chunk_no: int) -> None:
+        self._ahead_records.pop(chunk_no, None)
         for ino in list(self._chunk_users.get(chunk_no, ())):
             self._drop_window(ino)
 
@@ -429,11 +438,14 @@ class ChunkReader:
                     out.append(chunk)
             start = max(end, w_stop)
         if start < stop:
+            if len(self._ahead_records) > AHEAD_RECORDS:
+                self._ahead_records.clear()     # windows that never came
             for e in ix.iter_extents(self.index, ino, start, stop):
                 end = e.end
                 chunk = ix.get_chunk(self.index, e.chunk_no)
                 if chunk is not None and chunk.kind == CHUNK_PACK:
                     out.append(chunk)
+                    self._ahead_records[e.chunk_no] = chunk
         self._ahead[ino] = max(end, start)
         return out
 
