@@ -70,7 +70,7 @@ def test_write_reply_does_not_wait_for_the_chunk_feed(make_mount, monkeypatch, t
         # Every page written back and answered (no commit): with the reply
         # waiting for the chunks, this would wait as long as the feed is held.
         pushed, out = _in_thread(push_to_daemon, fd)
-        pushed.join(20)
+        pushed.join(WAIT_S)
         assert not pushed.is_alive(), "the WRITE replies waited for the held chunk feed"
         assert out == [None], out
         assert marker.exists(), "the chunk feed never ran"
