@@ -32,7 +32,9 @@ chunks or its size change, or the file gets uncommitted changes
 
 A read of cold chunks also asks the prefetcher for the cold chunks a
 sequential reader will want next (`cold_ahead`), continuing from where the
-last read's look-ahead stopped.
+last read's look-ahead stopped; it takes their records from the reader's
+window, and those it reads from the index past the window's end go to the
+next window's load (dropped, like windows, when the index changes them).
 
 `read` holds the bytes it planned with in place while it runs (the file's
 gate for uncommitted space, the reclaimer's read epochs for committed space)

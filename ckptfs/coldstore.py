@@ -12,8 +12,8 @@ is thread-safe; `get`, `get_many` and `read_into` may block (worker threads
 only). It may not write to the store nor touch the index: the records it is
 given say where each chunk is.
 
-`Prefetcher` fetches chunks into the cache in the background, about 2 MiB
-per worker-thread call, at most two calls at a time, from a nursery it runs in
+`Prefetcher` fetches chunks into the cache in the background, about 1 MiB
+per worker-thread call, at most four calls at a time, from a nursery it runs in
 (`run`, started by whoever supervises the mount's background tasks); asked
 before it runs, or after, it does nothing. It runs on the trio thread.
 """
@@ -35,8 +35,8 @@ from .chunker import chunk_id
 from .errors import CkptfsError, DamagedData
 from .index import CHUNK_PACK, Chunk
 
-PREFETCH_BATCH_BYTES = 2 << 20   # cold chunk bytes per prefetch call
-PREFETCH_THREADS = 2             # prefetch calls running at once
+PREFETCH_BATCH_BYTES = 1 << 20   # cold chunk bytes per prefetch call
+PREFETCH_THREADS = 4             # prefetch calls running at once
 
 # The native check hashes raw payloads itself when the module has BLAKE3;
 # an all-zero id in its input means "not this one".
