@@ -73,6 +73,8 @@ class DirtyFile:
         self.mtime_ns: Optional[int] = None
         self.ctime_ns: Optional[int] = None
         self.write_error: Optional[BaseException] = None
+        # `Index.chunk_ids_put` when the oldest of new_chunks was looked up by id
+        self.ids_looked_up_at: Optional[int] = None
         self.retired = False                    # dropped from the open files' table
         self._release_space = release_space
         self._writes = 0                        # writes in flight

@@ -371,7 +371,10 @@ class FileData:
         use the stored chunk and give this copy back."""
         twins: dict[int, int] = {}
         find = ix.chunk_no_finder(self.index)    # one per commit: a big file has 16 per MiB
-        for chunk_no, chunk in list(df.new_chunks.items()):
+        # No chunk id was put since the oldest new chunk was looked up: none can
+        # have a twin (a 2 GiB file's 32,768 lookups at its fsync, skipped).
+        others_stored = df.ids_looked_up_at != self.index.chunk_ids_put
+        for chunk_no, chunk in list(df.new_chunks.items()) if others_stored else ():
             if not chunk.chunk_id:
                 continue
             stored_no = find(chunk.chunk_id)

@@ -439,6 +439,9 @@ class Index:
         self.failure: Optional[BaseException] = None
         self.fenced: Optional[str] = None       # why the filesystem is read-only (`fence`)
         self._watchers: list[tuple[Callable[[int], None], Callable[[int], None]]] = []
+        # Chunk id entries put so far (live index): a file whose new chunks were
+        # looked up by id when this was N finds no twin at commit while it is N.
+        self.chunk_ids_put = 0
         self._work = trio.Event()
         self._durable_changed = trio.Event()
         self._stopping = False
@@ -797,6 +800,8 @@ class Index:
         self._layer(db)[key] = value
         if db in _WATCHED_DBS:
             self._map_changed(db, key)
+        elif db == "chunkids":
+            self.chunk_ids_put += 1
 
     def _put_many(self, db: str, items: list[tuple[bytes, bytes]]) -> None:
         """`_put` of many keys at once: one sorted merge into the open batch
@@ -810,6 +815,8 @@ class Index:
         if db in _WATCHED_DBS:
             for key, _ in items:
                 self._map_changed(db, key)
+        elif db == "chunkids":
+            self.chunk_ids_put += len(items)
 
     def _delete(self, db: str, key: bytes) -> None:
         if self.fenced is not None:

@@ -540,6 +540,9 @@ class WriteStager:
         staged_recs = df.staged
         pending_ids = df.pending_ids
         lookup = ix.chunk_no_finder(self.index)
+        if not pending_ids:
+            # The ids below are looked up now: a twin can only come later.
+            df.ids_looked_up_at = self.index.chunk_ids_put
         run: list[tuple[int, int, int]] = []       # (a, b, target) inside run_extent
         run_extent: Optional[Extent] = None
         for k, staged_no in enumerate(batch.staged_nos):
