@@ -423,7 +423,7 @@ class ChunkReader:
         sequential restore scans every extent once, not once per read; the
         part in the reader's window (if given) takes its records from there.
         """
-        depth = self.prefetcher.depth_bytes
+        depth = self.prefetcher.depth_for(ino)
         horizon = self._ahead.get(ino, 0)
         if horizon > off + depth // 2:
             return []               # far enough ahead already

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections import OrderedDict
 from typing import Optional
 
@@ -37,6 +38,9 @@ from .index import CHUNK_PACK, Chunk
 
 PREFETCH_BATCH_BYTES = 1 << 20   # cold chunk bytes per prefetch call
 PREFETCH_THREADS = 4             # prefetch calls running at once
+# A reader whose last look-ahead is older than this no longer shares the cache.
+READER_IDLE_S = 2.0
+MIN_DEPTH_BYTES = 4 << 20        # the least a reader is read ahead, however many share
 
 # The native check hashes raw payloads itself when the module has BLAKE3;
 # an all-zero id in its input means "not this one".
@@ -280,6 +284,21 @@ class Prefetcher:
         self.depth_bytes = depth_bytes
         self._limiter = trio.CapacityLimiter(PREFETCH_THREADS)
         self._nursery: Optional[trio.Nursery] = None
+        self._readers: dict[int, float] = {}    # ino -> when it last looked ahead
+
+    def depth_for(self, ino: int) -> int:
+        """How far ahead of ino's reader to fetch: depth_bytes, less when
+        several readers share the cache, so that together they look ahead
+        at most half of it; the cache (and the daemon's memory) stays within
+        its bound, and no reader's chunks are evicted before it reads them."""
+        now = time.monotonic()
+        self._readers[ino] = now
+        if len(self._readers) > 1:
+            for other, seen in list(self._readers.items()):
+                if now - seen > READER_IDLE_S:
+                    del self._readers[other]
+        share = self.cold.cache_limit // (2 * len(self._readers))
+        return max(MIN_DEPTH_BYTES, min(self.depth_bytes, share))
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve prefetches until cancelled (the fetches in flight end with it)."""

@@ -1076,6 +1076,20 @@ def cpu_summary(runs: list[dict]) -> dict:
             for phase, per in acc.items()}
 
 
+def peak_rss_summary(runs: list[dict]) -> dict:
+    """ckptfs target -> its daemon's largest VmHWM over every timed phase of
+    every workload (the bar is for all of them, not only the RSS step's write)."""
+    peaks: dict = {}
+    for r in runs:
+        if r.get("target") not in CKPTFS_TARGETS:
+            continue
+        for k, v in r.items():
+            if k.endswith("_daemon_hwm_mb") and v > peaks.get(r["target"], {}).get("mb", 0):
+                peaks[r["target"]] = {"mb": v, "where": f"{r['workload']} {k[:-len('_daemon_hwm_mb')]}",
+                                      "pass": v < RSS_LIMIT_MB}
+    return peaks
+
+
 def render_cpu(cpu: dict) -> str:
     names = [t for t in TARGETS if t != "raw"]
     lines = ["daemon CPU during the timed phase, % of one core, median (main thread / others):",
@@ -1267,6 +1281,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     cpu = cpu_summary(bench.extra)
     if cpu:
         print("\n" + render_cpu(cpu))
+    peak_rss = peak_rss_summary(bench.extra)
+    for name, v in peak_rss.items():
+        print(f"daemon peak RSS {name} over every workload: VmHWM {v['mb']:.0f} MB "
+              f"({v['where']}) -> {'PASS' if v['pass'] else 'MISS'} (< {RSS_LIMIT_MB:.0f} MB)")
     for label, prof in profile.items():
         print(f"\nprofile {label} (py-spy --gil): {prof['samples']} samples ({prof['file']})")
         print("  by thread: " + ", ".join(f"{k} {v}%" for k, v in prof["threads"]))
@@ -1277,14 +1295,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         doc = {"command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
                "machine": machine_info(root), "sizes": asdict(sizes), "reps": args.reps,
-               "summary": table, "daemon_cpu": cpu, "rss": rss, "runs": bench.extra, "profile": profile,
+               "summary": table, "daemon_cpu": cpu, "rss": rss, "peak_rss": peak_rss,
+               "runs": bench.extra, "profile": profile,
                "loadavg": {"mean": statistics.mean(bench.loads), "max": max(bench.loads),
                            "all": bench.loads},
                "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
         Path(args.json).write_text(json.dumps(doc, indent=2))
         log(f"wrote {args.json}")
     misses = [f"{m} {k}" for m, row in table.items() for k, c in row["checks"].items()
-              if not c["pass"]] + [f"rss {k}" for k, v in rss.items() if not v["pass"]]
+              if not c["pass"]] + [f"rss {k}" for k, v in rss.items() if not v["pass"]] \
+        + [f"peak rss {k}" for k, v in peak_rss.items() if not v["pass"]]
     if misses:
         print("targets missed: " + "; ".join(misses))
     return 0

@@ -157,3 +157,26 @@ def test_reused_read_buffers_never_change_bytes_a_reader_holds(tmp_path):
                 assert bytes(again.get(c)) == datas[c.chunk_no]
     assert again.buffers_reused > 0
     backend.close()
+
+
+def test_readers_sharing_the_cold_cache_look_ahead_within_half_of_it(tmp_path, monkeypatch):
+    """Each reader is read ahead at most its share of half the cache, so
+    prefetched chunks neither push the daemon past its memory bound nor get
+    evicted before their reader comes (8 cold restores at once read 32 MiB
+    ahead each used to need 256 MiB). A reader gone quiet gives its share back."""
+    from ckptfs import coldstore
+    from ckptfs.coldstore import MIN_DEPTH_BYTES, READER_IDLE_S, Prefetcher
+
+    cold = ColdStore(LocalBackend.create(tmp_path / "store"), cache_bytes=128 * MiB)
+    prefetcher = Prefetcher(cold, depth_bytes=32 * MiB)
+    now = [1000.0]
+    monkeypatch.setattr(coldstore.time, "monotonic", lambda: now[0])
+    assert prefetcher.depth_for(1) == 32 * MiB          # alone: the full depth
+    for ino in range(2, 9):
+        prefetcher.depth_for(ino)
+    assert prefetcher.depth_for(1) == 8 * MiB           # 8 readers: 64 MiB / 8
+    for _ in range(64):                                 # many more: never under the floor
+        prefetcher.depth_for(100 + _)
+    assert prefetcher.depth_for(1) == MIN_DEPTH_BYTES
+    now[0] += READER_IDLE_S + 1                         # the others went quiet
+    assert prefetcher.depth_for(1) == 32 * MiB
