@@ -12,10 +12,13 @@ import pwd
 import random
 import subprocess
 import time
+from pathlib import Path
 from typing import Callable
 
 import pytest
 
+from ckptfs import index as ix
+from ckptfs.index import ROOT_INO, Index
 from mounting import REPO, is_mounted
 
 MiB = 1 << 20
@@ -151,3 +154,17 @@ def as_user(uid: int, argv: list[str], *, python_access: bool = False, env=None,
         pre += ["--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
     return subprocess.run(pre + argv, capture_output=True, text=True, timeout=timeout,
                           cwd=REPO, env=env)
+
+
+def log_position(source: Path, name: str, file_off: int) -> int:
+    """Where in the log file the byte at file_off of /name lives (unmounted fs)."""
+    index = Index(str(source / ".ckptfs" / "index"))
+    try:
+        ino = ix.dirent_decode(index._get("dirents", ix.dirent_key(ROOT_INO, name.encode())))[0]
+        for e in ix.iter_extents(index, ino, file_off, file_off + 1):
+            chunk = ix.get_chunk(index, e.chunk_no)
+            assert chunk.kind == ix.CHUNK_LOG
+            return chunk.log_off + e.chunk_off + (file_off - e.file_off)
+        raise AssertionError(f"{name} has no data at {file_off}")
+    finally:
+        index.close()

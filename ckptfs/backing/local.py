@@ -48,7 +48,7 @@ import threading
 import time
 import uuid as uuidlib
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 from ..errors import (AlreadyExists, BackingError, BackingFull, BackingReadOnly,
                       BackingUnavailable, BlobDamaged, BlobMissing, InvalidArgument)
@@ -56,6 +56,7 @@ from .base import (MARKER_NAME, Backend, BlobWriter, UuidLike, as_uuid, marker_b
                    parse_marker, validate_name, validate_prefix)
 
 TMP_TAG = ".tmp-"
+T = TypeVar("T")
 _WRITE_OPS = frozenset({"write", "create", "commit", "delete", "mkdir", "check"})
 _UNAVAILABLE_ERRNOS = frozenset({errno.ENOTCONN, errno.ESTALE, errno.EIO, errno.ETIMEDOUT,
                                  errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENODEV,
@@ -288,18 +289,7 @@ class LocalBackend(Backend):
         validate_name(name)
         if offset < 0 or length < 0:
             raise InvalidArgument(f"{self.url}: {name}: bad range offset={offset} length={length}")
-        for attempt in (0, 1):
-            ent = self._acquire(name)
-            try:
-                return self._pread_exact(ent.fd, name, offset, length)
-            except OSError as e:
-                if e.errno == errno.ESTALE and attempt == 0:
-                    self._forget(name)
-                    continue
-                raise self._os_error(e, "read", name) from e
-            finally:
-                self._release(ent)
-        raise AssertionError("unreachable")
+        return self._with_read_fd(name, lambda fd: self._pread_exact(fd, name, offset, length))
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         """`read` into out with preadv: no new buffer, no copy in Python."""
@@ -307,11 +297,15 @@ class LocalBackend(Backend):
         if offset < 0:
             raise InvalidArgument(f"{self.url}: {name}: bad range offset={offset} "
                                   f"length={len(out)}")
+        self._with_read_fd(name, lambda fd: self._preadv_exact(fd, name, offset, out))
+
+    def _with_read_fd(self, name: str, read: Callable[[int], T]) -> T:
+        """read(fd) on name's cached fd; on ESTALE (NFS: the file was replaced
+        under the fd) once more on a fresh one. May block."""
         for attempt in (0, 1):
             ent = self._acquire(name)
             try:
-                self._preadv_exact(ent.fd, name, offset, out)
-                return
+                return read(ent.fd)
             except OSError as e:
                 if e.errno == errno.ESTALE and attempt == 0:
                     self._forget(name)

@@ -41,13 +41,13 @@ from typing import Optional
 import pytest
 import trio
 
-from ckptfs import index as ix
 from ckptfs.core import Filesystem
 from ckptfs.errors import DamagedData, NoSpace, NotFound
-from ckptfs.index import ROOT_INO, Index
+from ckptfs.index import ROOT_INO
 from faultlog import FaultLog, PowerCut
 from inproc import InProcess
 from journal_model import check, writer_model
+from posix_helpers import log_position
 
 KiB, MiB = 1 << 10, 1 << 20
 LOG_BYTES = 32 * MiB
@@ -428,20 +428,6 @@ def test_power_cut_soak(tmp_path, seed):
 
 
 # ---------------------------------------------------------- damaged record
-
-def log_position(source: Path, name: str, file_off: int) -> int:
-    """Where in the log file the byte at file_off of /name lives (unmounted fs)."""
-    index = Index(str(source / ".ckptfs" / "index"))
-    try:
-        ino = ix.dirent_decode(index._get("dirents", ix.dirent_key(ROOT_INO, name.encode())))[0]
-        for e in ix.iter_extents(index, ino, file_off, file_off + 1):
-            chunk = ix.get_chunk(index, e.chunk_no)
-            assert chunk.kind == ix.CHUNK_LOG
-            return chunk.log_off + e.chunk_off + (file_off - e.file_off)
-        raise AssertionError(f"{name} has no data at {file_off}")
-    finally:
-        index.close()
-
 
 def test_damaged_log_record_gives_eio(make_mount):
     m = make_mount(options=["pmem_size=64M"])

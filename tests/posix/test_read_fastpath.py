@@ -9,13 +9,10 @@ from __future__ import annotations
 import errno
 import os
 import random
-from pathlib import Path
 
 import pytest
 
-from ckptfs import index as ix
-from ckptfs.index import ROOT_INO, Index
-from posix_helpers import check_clean, push_to_daemon
+from posix_helpers import check_clean, log_position, push_to_daemon
 
 MiB = 1 << 20
 
@@ -41,20 +38,6 @@ def pread_all(fd: int, n: int, off: int, step: int = MiB) -> bytes:
 
 def answered_in_c(m) -> int:
     return m.stat()["fuse_read_answered_in_c"]
-
-
-def log_position(source: Path, name: str, file_off: int) -> int:
-    """Where in the log file the byte at file_off of /name lives (unmounted fs)."""
-    index = Index(str(source / ".ckptfs" / "index"))
-    try:
-        ino = ix.dirent_decode(index._get("dirents", ix.dirent_key(ROOT_INO, name.encode())))[0]
-        for e in ix.iter_extents(index, ino, file_off, file_off + 1):
-            chunk = ix.get_chunk(index, e.chunk_no)
-            assert chunk.kind == ix.CHUNK_LOG
-            return chunk.log_off + e.chunk_off + (file_off - e.file_off)
-        raise AssertionError(f"{name} has no data at {file_off}")
-    finally:
-        index.close()
 
 
 @pytest.mark.parametrize("dedup", ["on", "off"])
