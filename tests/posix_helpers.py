@@ -168,3 +168,13 @@ def log_position(source: Path, name: str, file_off: int) -> int:
         raise AssertionError(f"{name} has no data at {file_off}")
     finally:
         index.close()
+
+
+def flip_log_bit(source: Path, name: str, file_off: int) -> None:
+    """Damage the log copy of /name's byte at file_off (unmounted fs): one bit flipped."""
+    pos = log_position(source, name, file_off)
+    with open(source / ".ckptfs" / "pmem.log", "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)
+        f.seek(pos)
+        f.write(bytes([byte[0] ^ 0x40]))

@@ -47,7 +47,7 @@ from ckptfs.index import ROOT_INO
 from faultlog import FaultLog, PowerCut
 from inproc import InProcess
 from journal_model import check, writer_model
-from posix_helpers import log_position
+from posix_helpers import flip_log_bit
 
 KiB, MiB = 1 << 10, 1 << 20
 LOG_BYTES = 32 * MiB
@@ -439,12 +439,7 @@ def test_damaged_log_record_gives_eio(make_mount):
     m.umount()
 
     bad_off = 6 * MiB + 12345
-    pos = log_position(m.source, "damaged.bin", bad_off)
-    with open(m.source / ".ckptfs" / "pmem.log", "r+b") as f:
-        f.seek(pos)
-        byte = f.read(1)
-        f.seek(pos)
-        f.write(bytes([byte[0] ^ 0x40]))
+    flip_log_bit(m.source, "damaged.bin", bad_off)
 
     m.start()
     fd = os.open(m.path / "damaged.bin", os.O_RDONLY)
