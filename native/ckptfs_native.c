@@ -420,8 +420,8 @@ static const uint64_t gear[256] = {
         h = h2;                                                               \
     } while (0)
 
-static size_t gear_find(const unsigned char *p, size_t n, uint64_t *hp,
-                        uint64_t thr)
+static size_t gear_find_scalar(const unsigned char *p, size_t n, uint64_t *hp,
+                               uint64_t thr)
 {
     uint64_t h = *hp;
     size_t i = 0;
@@ -442,6 +442,140 @@ static size_t gear_find(const unsigned char *p, size_t n, uint64_t *hp,
     return n;
 }
 #undef GEAR_PAIR
+
+/* h of the 64 bytes ending at p[j] (j >= 63): the window alone, whatever came
+ * before it, as the rule says. */
+static uint64_t gear_window(const unsigned char *p, size_t j)
+{
+    uint64_t h = 0;
+    for (size_t i = j - 63; i <= j; i++)
+        h = (h << 1) + gear[p[i]];
+    return h;
+}
+
+#if defined(__x86_64__)
+/* The scan in 16 lanes at once (two AVX-512 registers of eight 64-bit
+ * hashes), for long spans.  The scalar loop is bound by its loads and
+ * compares (about 1.6 GB/s here); here each lane runs the same recurrence over
+ * its own stretch of the span, its table loads one gather for eight lanes.
+ * Since h depends on the last 64 bytes only, a lane hashes the 64 bytes before
+ * its stretch first and then has the exact h of every byte in it.  A round
+ * gives each lane GEAR_LANE_BYTES consecutive bytes; the first cut is the
+ * first hit of the lowest lane that has one (lanes are in byte order), found
+ * again byte by byte inside its group of eight.  A cut at a hit means the
+ * rest of its round was hashed for nothing: about half a round (8 KiB) per
+ * cut beyond avg_size, against 64 KiB chunks. */
+static int gear_vector; /* set by native_init: AVX-512F usable */
+
+#define GEAR_LANES 16
+#define GEAR_LANE_BYTES 1024
+#define GEAR_LANE_MIN 256 /* shorter spans: the warm-up would cost more than it saves */
+
+__attribute__((target("avx512f")))
+static size_t gear_find_avx512(const unsigned char *p, size_t s, size_t n, uint64_t thr,
+                               size_t lane_bytes)
+{
+    /* Bytes p[s..n), s >= 64: the first j with h(j) < thr, or n. */
+    const __m512i ff = _mm512_set1_epi64(0xff);
+    const __m512i t_v = _mm512_set1_epi64((long long)thr);
+    while (n - s >= GEAR_LANES * GEAR_LANE_MIN) {
+        size_t b = (n - s) / GEAR_LANES;
+        b = b > lane_bytes ? lane_bytes : b & ~(size_t)7;
+        /* lane l hashes p[s + l*b - 64 .. s + (l+1)*b) */
+        const long long o = (long long)(s - 64), w = (long long)b;
+        __m512i a0 = _mm512_set_epi64(o + 7 * w, o + 6 * w, o + 5 * w, o + 4 * w,
+                                      o + 3 * w, o + 2 * w, o + w, o);
+        __m512i a1 = _mm512_add_epi64(a0, _mm512_set1_epi64(8 * w));
+        __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
+        uint32_t hit_lanes = 0;
+        size_t hit_t[GEAR_LANES];
+        const __m512i eight = _mm512_set1_epi64(8);
+        for (size_t t = 0; t < b + 64; t += 8) {
+            __m512i v0 = _mm512_i64gather_epi64(a0, (const void *)p, 1);
+            __m512i v1 = _mm512_i64gather_epi64(a1, (const void *)p, 1);
+            a0 = _mm512_add_epi64(a0, eight);
+            a1 = _mm512_add_epi64(a1, eight);
+            __mmask8 m0 = 0, m1 = 0;
+#define GEAR_STEP(k)                                                                  \
+            do {                                                                      \
+                __m512i i0 = _mm512_and_si512(_mm512_srli_epi64(v0, 8 * (k)), ff);    \
+                __m512i i1 = _mm512_and_si512(_mm512_srli_epi64(v1, 8 * (k)), ff);    \
+                __m512i g0 = _mm512_i64gather_epi64(i0, (const void *)gear, 8);       \
+                __m512i g1 = _mm512_i64gather_epi64(i1, (const void *)gear, 8);       \
+                h0 = _mm512_add_epi64(_mm512_slli_epi64(h0, 1), g0);                  \
+                h1 = _mm512_add_epi64(_mm512_slli_epi64(h1, 1), g1);                  \
+                m0 |= _mm512_cmplt_epu64_mask(h0, t_v);                               \
+                m1 |= _mm512_cmplt_epu64_mask(h1, t_v);                               \
+            } while (0)
+            GEAR_STEP(0); GEAR_STEP(1); GEAR_STEP(2); GEAR_STEP(3);
+            GEAR_STEP(4); GEAR_STEP(5); GEAR_STEP(6); GEAR_STEP(7);
+#undef GEAR_STEP
+            if (__builtin_expect((m0 | m1) != 0, 0) && t >= 64) {
+                uint32_t fresh = ((uint32_t)m0 | (uint32_t)m1 << 8) & ~hit_lanes;
+                hit_lanes |= fresh;
+                while (fresh) {
+                    int l = __builtin_ctz(fresh);
+                    hit_t[l] = t - 64;
+                    fresh &= fresh - 1;
+                }
+                if (hit_lanes & 1)
+                    break; /* nothing comes before lane 0's first hit */
+            }
+        }
+        if (hit_lanes) {
+            int l = __builtin_ctz(hit_lanes);
+            size_t j = s + (size_t)l * b + hit_t[l];
+            uint64_t h = gear_window(p, j - 1);
+            for (size_t e = j + 8; j < e; j++) {
+                h = (h << 1) + gear[p[j]];
+                if (h < thr)
+                    return j;
+            }
+            /* unreachable: the lane saw a hit in these eight bytes */
+        }
+        s += GEAR_LANES * b;
+    }
+    uint64_t h = gear_window(p, s - 1);
+    size_t f = gear_find_scalar(p + s, n - s, &h, thr);
+    return s + f;
+}
+#endif
+
+/* The first byte of p[0..n) after which the hash (continuing from *hp) is
+ * below thr, or n; *hp becomes the hash up to it (see gear_find_scalar). */
+static size_t gear_find(const unsigned char *p, size_t n, uint64_t *hp, uint64_t thr)
+{
+#if defined(__x86_64__)
+    /* A cut comes every 2^64 / thr bytes or so; a round should be shorter,
+     * or most of it is hashed for nothing. */
+    size_t lane_bytes = thr ? (size_t)1 << (64 - __builtin_ctzll(thr) - 5) : GEAR_LANE_BYTES;
+    if (gear_vector && lane_bytes >= GEAR_LANE_MIN && n >= 64 + GEAR_LANES * GEAR_LANE_MIN) {
+        /* The first 64 hashes still see *hp; from p[63] on, the window alone. */
+        size_t f = gear_find_scalar(p, 64, hp, thr);
+        if (f < 64)
+            return f;
+        f = gear_find_avx512(p, 64, n, thr,
+                             lane_bytes < GEAR_LANE_BYTES ? lane_bytes : GEAR_LANE_BYTES);
+        *hp = gear_window(p, f < n ? f : n - 1);
+        return f;
+    }
+#endif
+    return gear_find_scalar(p, n, hp, thr);
+}
+
+int ckptfs_gear_vector(int on)
+{
+#if defined(__x86_64__)
+    int was = gear_vector;
+    if (on >= 0)
+        gear_vector = on && __builtin_cpu_supports("avx512f");
+    return was;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 
 static inline uint64_t min_u64(uint64_t a, uint64_t b)
 {
@@ -749,6 +883,8 @@ static void native_init(void)
         else if (b & bit_CLFLUSHOPT)
             flush_kind = FLUSH_CLFLUSHOPT;
     }
+    __builtin_cpu_init();
+    gear_vector = __builtin_cpu_supports("avx512f");
     if (have_hw_crc) {
         make_zeros_table(zeros_long, CRC_LONG);
         make_zeros_table(zeros_short, CRC_SHORT);

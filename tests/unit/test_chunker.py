@@ -164,6 +164,55 @@ def test_gear_c_rejects_bad_sizes() -> None:
     assert lib.ckptfs_gear_cuts(state, b"abc", 3, 32, 256, 1024, cuts, 4) == ffi.cast("size_t", -1)
 
 
+@pytest.fixture
+def gear_lanes():
+    """Switch the scan between its 16-lane AVX-512 form and the scalar loop;
+    skips where the CPU has no AVX-512F."""
+    from ckptfs._native import lib
+
+    was = lib.ckptfs_gear_vector(1)
+    if not lib.ckptfs_gear_vector(-1):
+        lib.ckptfs_gear_vector(was)
+        pytest.skip("no AVX-512F: the scan has one form here")
+    yield lib.ckptfs_gear_vector
+    lib.ckptfs_gear_vector(was)
+
+
+# Spans long enough for the lanes in both halves of the rule (avg_size >= 2^15).
+LANE_SIZES = [(2048, 32768, 131072), (DEFAULT_MIN_SIZE, DEFAULT_AVG_SIZE, DEFAULT_MAX_SIZE),
+              (65536, 1 << 20, 4 << 20), (64, 32768, 1 << 20)]
+
+
+def test_gear_lanes_match_reference(rng: random.Random, gear_lanes) -> None:
+    data = rng.randbytes(MIB)
+    cuts = native.gear_cut_points(data, *LANE_SIZES[0])
+    assert len(cuts) > 10
+    assert cuts == ref_cut_points(data, *LANE_SIZES[0])
+
+
+def test_gear_lanes_match_scalar(rng: random.Random, gear_lanes) -> None:
+    # Random bytes, and runs where the hash is periodic and hits come in
+    # bursts (many lanes at once, or none for a whole span).
+    rand = rng.randbytes(8 * MIB)
+    low = (bytes(50_000) + b"\xff" * 30_000 + b"abc" * 20_000 + rng.randbytes(90_000)
+           + bytes(30_000)) * 8
+    for data in (rand, low, rand[:70_000] + low):
+        for sizes in LANE_SIZES + [SMALL, (8192, 8192, 24576)]:
+            gear_lanes(0)
+            scalar = native.gear_cut_points(data, *sizes)
+            gear_lanes(1)
+            assert native.gear_cut_points(data, *sizes) == scalar, sizes
+            # and streamed in writes' pieces, through the chunk feed
+            for size in (4096, MIB, 3 * MIB + 5):
+                scanner = native.GearScanner(*sizes)
+                got = []
+                for pos in range(0, len(data), size):
+                    got += [pos + c for c in scanner.scan(data[pos:pos + size])]
+                if scanner.pending:
+                    got.append(len(data))
+                assert got == scalar, (sizes, size)
+
+
 def test_gear_chunk_sizes(rng: random.Random) -> None:
     data = rng.randbytes(16 * MIB)
     mn, avg, mx = DEFAULT_MIN_SIZE, DEFAULT_AVG_SIZE, DEFAULT_MAX_SIZE
