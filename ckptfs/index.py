@@ -131,7 +131,9 @@ Room (docs/OPERATIONS.md, "the index disk fills"): LMDB grows its file as
 the index grows, and a commit that finds no room on that disk fails. While
 mounted, the index keeps a reserve of space preallocated past the end of its
 data (RESERVE_*): LMDB writes its new pages there, so a commit does not need
-the disk to have room at that moment. Changes that grow the index are
+the disk to have room at that moment. The first WRITTEN_AHEAD_BYTES of it are
+written with zeros, not just allocated: a commit's fdatasync is then a data
+flush, with no journal commit for the extents LMDB's new pages land in. Changes that grow the index are
 admitted only while the reserve can take them (`admit`, `check_room`:
 IndexFull, ENOSPC, otherwise); changes that free space are always admitted
 and commit from what is left. A batch that still finds no room is kept and
@@ -213,6 +215,12 @@ RESERVE_MIN_BYTES = 4 << 20
 RESERVE_MAX_BYTES = 256 << 20
 RESERVE_FRACTION = 8
 RESERVE_STEP_BYTES = 1 << 20          # preallocation step when the disk is nearly full
+# Past the index's last page, this much of its file is kept written (zeros,
+# flushed once) rather than only preallocated: LMDB's new pages then overwrite
+# written blocks, and a commit's fdatasync is a data flush alone, not also a
+# journal commit for unwritten extents converted or the file's size grown.
+# Written again once less than half of it is left ahead.
+WRITTEN_AHEAD_BYTES = 8 << 20
 ROOM_POLL_S = 1.0                     # how often a full index looks for room coming back
 STALL_RETRY_MAX_S = 2.0               # longest wait between retries of a batch without room
 UNMOUNT_RETRY_S = 10.0                # an unmount waits this long for room before giving up
@@ -461,6 +469,7 @@ class Index:
         self.stalled: Optional[BaseException] = None   # the batch in commit finds no room
         self._promised_total = 0          # admitted growth not yet committed
         self._data_fd = -1
+        self._written_to = 0            # data.mdb is written (not just allocated) below this
         self._full_since: Optional[float] = None
         # Log bytes carried in the index (`logredo`): how the committer reads
         # them (None: it persists the log instead), and the records durable
@@ -519,7 +528,36 @@ class Index:
                 continue
             size += n
             want -= n
+        self._write_ahead(used)
         return max(os.fstat(self._data_fd).st_size - used, 0) + inside
+
+    def _write_ahead(self, used: int) -> None:
+        """Keep WRITTEN_AHEAD_BYTES past the index's last page (used) written
+        with zeros and flushed, so that the next commits' new pages overwrite
+        written blocks (WRITTEN_AHEAD_BYTES). Only between transactions (the
+        committer's worker, `keep_reserve`): a page past `used` is then no
+        page of any transaction. May block; a full disk leaves it short
+        (LMDB still writes where posix_fallocate reserved)."""
+        start = max(self._written_to, used)
+        if start - used >= WRITTEN_AHEAD_BYTES // 2:
+            return
+        end = used + WRITTEN_AHEAD_BYTES
+        zeros = bytes(RESERVE_STEP_BYTES)
+        written = start
+        try:
+            while written < end:
+                written += os.pwrite(self._data_fd, zeros[:end - written], written)
+        except OSError as e:
+            log.debug("index write-ahead stopped at %d: %s", written, e.strerror)
+        if written == start:
+            return          # nothing written (a full disk): no flush either
+        try:
+            os.fdatasync(self._data_fd)
+        except OSError as e:
+            # LMDB's own flush of its next commit sees a write error too.
+            log.warning("could not flush the index's written-ahead space: %s", e.strerror)
+            return
+        self._written_to = written
 
     def _free_pages(self) -> int:
         """Pages inside LMDB's file that no sub-database uses (freed by earlier

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import trio
@@ -174,3 +175,34 @@ def test_add_chunks_in_bulk_puts_what_add_chunk_puts_one_by_one(tmp_path):
         index.close()
     assert seen[0][0]["logmap"] and seen[0][0]["unpublished"]
     assert seen[1] == seen[0]
+
+
+def test_space_past_the_last_page_is_written_not_only_allocated(tmp_path):
+    """LMDB's next pages land on written blocks (zeros flushed once), so a
+    commit's fdatasync needs no journal commit for unwritten extents: ext4
+    reports preallocated, never written space as a hole (SEEK_HOLE)."""
+    index = Index(str(tmp_path / "index"))
+    index.keep_reserve()
+
+    def written_ahead() -> int:
+        used = (index.env.info()["last_pgno"] + 1) * index.env.stat()["psize"]
+        return os.lseek(index._data_fd, used, os.SEEK_HOLE) - used
+
+    assert written_ahead() >= ix.WRITTEN_AHEAD_BYTES // 2
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(index.run_committer, lambda ranges: None,
+                               trio.CapacityLimiter(1))
+            for batch in range(40):        # ~12 MiB of new pages: past the first window
+                for k in range(100):
+                    index._put("xattrs", keys(batch * 100 + k), bytes(3000))
+                await index.wait_durable(index.current_seq())
+                assert written_ahead() >= ix.WRITTEN_AHEAD_BYTES // 2
+            index.stop()
+
+    trio.run(main)
+    size = os.fstat(index._data_fd).st_size
+    assert (index.env.info()["last_pgno"] + 1) * index.env.stat()["psize"] > ix.WRITTEN_AHEAD_BYTES
+    assert size > ix.WRITTEN_AHEAD_BYTES
+    index.close()
