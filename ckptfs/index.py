@@ -447,6 +447,8 @@ class Index:
         self.failure: Optional[BaseException] = None
         self.fenced: Optional[str] = None       # why the filesystem is read-only (`fence`)
         self._watchers: list[tuple[Callable[[int], None], Callable[[int], None]]] = []
+        self._entry_watchers: list[Callable[[int], None]] = []
+        self.direct_writes = 0          # write_direct calls: watchers saw none of them
         # Chunk id entries put so far (live index): a file whose new chunks were
         # looked up by id when this was N finds no twin at commit while it is N.
         self.chunk_ids_put = 0
@@ -780,6 +782,7 @@ class Index:
         Only for start-up work (adoption, recovery) before the committer runs.
         """
         assert self._committing is None and self._open.is_empty()
+        self.direct_writes += 1
         with self.env.begin(write=True) as txn:
             fn(DirectTxn(txn, self._dbs))
         self._renew_read_txn()
@@ -840,6 +843,8 @@ class Index:
             self._map_changed(db, key)
         elif db == "chunkids":
             self.chunk_ids_put += 1
+        elif db == "dirents":
+            self._entry_changed(key)
 
     def _put_many(self, db: str, items: list[tuple[bytes, bytes]]) -> None:
         """`_put` of many keys at once: one sorted merge into the open batch
@@ -855,6 +860,9 @@ class Index:
                 self._map_changed(db, key)
         elif db == "chunkids":
             self.chunk_ids_put += len(items)
+        elif db == "dirents":
+            for key, _ in items:
+                self._entry_changed(key)
 
     def _delete(self, db: str, key: bytes) -> None:
         if self.fenced is not None:
@@ -862,6 +870,8 @@ class Index:
         self._layer(db)[key] = None
         if db in _WATCHED_DBS:
             self._map_changed(db, key)
+        elif db == "dirents":
+            self._entry_changed(key)
 
     def watch_maps(self, extents_changed: Callable[[int], None],
                    chunk_changed: Callable[[int], None]) -> None:
@@ -872,6 +882,18 @@ class Index:
         changed. Every write of the live index passes `_put`/`_delete`, so
         no change escapes them."""
         self._watchers.append((extents_changed, chunk_changed))
+
+    def watch_entries(self, entries_changed: Callable[[int], None]) -> None:
+        """Be told of every directory entry added, retargeted or removed (its
+        directory's inode number), as each is made, on the trio thread: the
+        tiering planner's catalog of versions re-reads that directory."""
+        self._entry_watchers.append(entries_changed)
+
+    def _entry_changed(self, key: bytes) -> None:
+        if self._entry_watchers:
+            parent = _U64.unpack_from(key)[0]
+            for entries_changed in self._entry_watchers:
+                entries_changed(parent)
 
     def _map_changed(self, db: str, key: bytes) -> None:
         number = _U64.unpack_from(key)[0]       # inodes: ino; extents: (ino, off); chunks: chunk_no

@@ -249,6 +249,7 @@ class Tierer:
         """The pass's plan and moves (the caller holds the publish lock)."""
         self._urgent = False
         self._planned_seq = self.index.durable_seq
+        await self.planner.prepare()
         chunks = self.planner.plan(set(self.open_inos()), self.reclaimer.pinned,
                                    everything).chunks
         if progress is not None:

@@ -589,7 +589,7 @@ def test_saves_into_one_directory_are_separate_versions(make_mount):
     try:
         fs = Filesystem(state.index, state.log, state.sources, CommitPolicy(),
                         tiering=TierSetup(state.backend, TierPolicy()))
-        versions, _ = fs.tierer.planner.versions()
+        versions = fs.tierer.planner.versions()
         assert sorted(len(v.files) for v in versions) == [1, 1, 1, 1], versions
     finally:
         state.close()
