@@ -14,7 +14,7 @@ The planner reads the index and the log's fill level, nothing else: it moves
 nothing and writes nothing. It runs on the trio thread. Its catalog of
 versions (`VersionCatalog`) is kept from pass to pass and reads again only
 what changed; a plan then reads the extents of the hot versions and of the
-cold versions not yet settled (all their chunks out of the log), in one go,
+cold versions a walk could choose from, in one go,
 so that what it sees is one state of the index.
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import stat
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
@@ -75,14 +76,25 @@ class TierSetup:
 @dataclass
 class Version:
     """Files of one directory committed close together: one checkpoint.
-    `settled`: a walk found none of its chunks in the log, and none of its
-    files changed since (the catalog makes a new Version when one does)."""
+    `in_log`: the chunks of it that the last walk of all its files found in
+    the log (None: not walked whole yet). Its files have not changed since: the
+    catalog makes a new Version when one does, and a chunk never comes back
+    to the log (new bytes get a new chunk number, so the extents change)."""
 
     parent: int
     newest_ns: int
     files: list[int] = field(default_factory=list)      # inode numbers
     oldest_ns: int = 0
-    settled: bool = False
+    in_log: Optional[array] = None
+
+    @property
+    def settled(self) -> bool:
+        """All of it is out of the log: no plan needs to walk it again."""
+        return self.in_log is not None and len(self.in_log) == 0
+
+    def held_by(self, keep: set[int]) -> bool:
+        """Would a walk choose nothing, every chunk it has in the log being kept?"""
+        return self.in_log is not None and all(c in keep for c in self.in_log)
 
 
 @dataclass
@@ -263,7 +275,7 @@ class VersionCatalog:
     def _group(self, parent: int, members: dict[int, int], before: list[Version],
                changed: Iterable[int] = ()) -> list[Version]:
         """parent's files as versions. A version made of the same files as
-        one before, none of them changed, keeps being settled."""
+        one before, none of them changed, keeps what its last walk found."""
         versions: list[Version] = []
         current: Optional[Version] = None
         alone = parent == ix.ROOT_INO       # a file in the root is a version of its own
@@ -275,11 +287,12 @@ class VersionCatalog:
                 versions.append(current)
             current.files.append(ino)
             current.newest_ns = mtime_ns
-        settled = {tuple(v.files) for v in before if v.settled}
-        if settled:
+        walked = {tuple(v.files): v.in_log for v in before if v.in_log is not None}
+        if walked:
             changed = set(changed)
             for v in versions:
-                v.settled = tuple(v.files) in settled and changed.isdisjoint(v.files)
+                if changed.isdisjoint(v.files):
+                    v.in_log = walked.get(tuple(v.files))
         return versions
 
 
@@ -295,6 +308,7 @@ class Planner:
         self.log = plog
         self.policy = policy
         self._damage_seen: set[str] = set()
+        self._hot_seen: tuple[list[Version], set[int]] = ([], set())
         self.catalog = VersionCatalog(index, int(policy.version_gap_s * 1e9),
                                       self.damaged_record)
 
@@ -328,7 +342,7 @@ class Planner:
         for ino in open_inos:
             keep.update(e.chunk_no for e in ix.iter_extents(self.index, ino))
         chosen: dict[int, Chunk] = {}
-        self._choose(cold, keep | self._chunks_of(hot), open_inos, chosen)
+        self._choose(cold, keep | self._hot_chunks(hot), open_inos, chosen)
         # Over the high watermark: hot versions go too, oldest first, until what
         # this pass moves brings the log under the low watermark.
         if over_watermark:
@@ -342,6 +356,16 @@ class Planner:
                 excess -= sum(c.length for c in chosen.values()) - before
         return Plan(list(chosen.values()), cold)
 
+    def _hot_chunks(self, hot: list[Version]) -> set[int]:
+        """The chunks the hot versions name; the last pass's set while the hot
+        versions are the same objects (none of their files changed since)."""
+        cached, chunks = self._hot_seen
+        if len(cached) == len(hot) and all(a is b for a, b in zip(cached, hot)):
+            return chunks
+        chunks = self._chunks_of(hot)
+        self._hot_seen = (list(hot), chunks)    # held: their ids stay theirs
+        return chunks
+
     def _chunks_of(self, versions: list[Version]) -> set[int]:
         chunks: set[int] = set()
         for v in versions:
@@ -352,32 +376,35 @@ class Planner:
     def _choose(self, versions: list[Version], keep: set[int], open_inos: set[int],
                 chosen: dict[int, Chunk]) -> None:
         """Add the chunks of these versions that are still in the log, oldest
-        first. A version with none in the log is settled: later passes skip it
-        until one of its files changes (a chunk never comes back to the log:
-        new bytes get a new chunk number, so its extents change)."""
+        first. A version's walk records what of it is in the log (`in_log`):
+        later passes skip it while all of that is kept (none: settled), until
+        one of its files changes. With dedup, a cold version shares most of its
+        chunks with the hot ones: it was walked, extent by extent, every pass."""
         for v in reversed(versions):
-            if v.settled:
+            if v.held_by(keep):
                 continue
-            in_log = False
+            in_log: Optional[list[int]] = []
             for ino in v.files:
                 if ino in open_inos:
-                    in_log = True           # not looked at: not known to be settled
+                    in_log = None           # not looked at: not known
                     continue
                 try:
                     for e in ix.iter_extents(self.index, ino):
                         if e.chunk_no in chosen:
-                            in_log = True
+                            if in_log is not None:
+                                in_log.append(e.chunk_no)
                             continue
                         chunk = ix.get_chunk(self.index, e.chunk_no)
                         if chunk is None or chunk.kind != CHUNK_LOG:
                             continue
-                        in_log = True
+                        if in_log is not None:
+                            in_log.append(e.chunk_no)
                         if e.chunk_no not in keep:
                             chosen[e.chunk_no] = ix.check_chunk_record(chunk)
                 except (FormatError, DamagedData) as e:
-                    in_log = True
+                    in_log = None
                     self.damaged_record(e)     # the rest of this file stays hot
-            v.settled = not in_log
+            v.in_log = None if in_log is None else array("Q", sorted(set(in_log)))
 
     def damaged_record(self, e: CkptfsError) -> None:
         """Damaged index records stay where they are (fsck reports them); once per record."""

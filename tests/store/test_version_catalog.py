@@ -160,3 +160,39 @@ def test_a_catalog_built_in_a_thread_sees_what_was_pending(inproc):
         assert sorted(len(v.files) for v in fresh.versions()) == [2]
 
     fs.run(main, mover=False)
+
+
+def test_a_cold_version_the_hot_one_shares_is_walked_again_only_when_that_changes(
+        inproc, monkeypatch):
+    """With dedup a cold version's chunks are mostly the hot version's, so they
+    stay in the log and the version never settles: every pass walked it, extent
+    by extent. Now it is walked again only when what keeps its chunks changed."""
+    fs = inproc(["pmem_size=64M", "hot_versions=1"])
+    shared = random.Random(1).randbytes(2 * MiB)
+
+    async def two_versions(fs) -> None:
+        for step in range(2):
+            fs.mkdir(f"step{step}")
+            await fs.write_file(f"step{step}/model", shared)
+
+    fs.run(two_versions, mover=False)
+    planner = fs.fs.tierer.planner
+    assert planner.plan(set(), set()).chunks == []      # step0's chunks are step1's
+    old = fs.lookup("step0/model")
+    walked = count_calls(monkeypatch, "iter_extents")
+
+    async def more_of_step1(fs) -> None:
+        await fs.write_file("step1/config.json", b"{}")
+
+    fs.run(more_of_step1, mover=False)
+    assert planner.plan(set(), set()).chunks == []
+    assert (old,) not in walked                 # step1 changed, but still holds step0
+    walked.clear()
+
+    async def step1_trained(fs) -> None:
+        await fs.write_file("step1/model", random.Random(2).randbytes(2 * MiB))
+
+    fs.run(step1_trained, mover=False)
+    chunks = planner.plan(set(), set()).chunks
+    assert (old,) in walked
+    assert sum(c.length for c in chunks) == 2 * MiB
