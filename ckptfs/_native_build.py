@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HEADER = ROOT / "native" / "ckptfs_native.h"
 FUSE_HEADER = ROOT / "native" / "ckptfs_fuse.h"
 READX_HEADER = ROOT / "native" / "ckptfs_readx.h"     # the read executor (chunkread.py)
+LOGWR_HEADER = ROOT / "native" / "ckptfs_logwr.h"     # the log writer (logwriter.py)
 
 # Baseline x86-64 only: newer instructions are enabled per function with
 # target attributes and chosen at run time, so no -march here.
@@ -88,14 +89,14 @@ def _blake3_objects(src: Path) -> list[str]:
 def make_builder(root: str) -> FFI:
     """Builder with source paths under ``root`` ('' means relative to the cwd)."""
     ffi = FFI()
-    ffi.cdef(_cdef() + "\n" + _cdef(READX_HEADER))
+    ffi.cdef(_cdef() + "\n" + _cdef(READX_HEADER) + "\n" + _cdef(LOGWR_HEADER))
     b3 = blake3_dir()
     ffi.set_source(
         "ckptfs._native",
-        '#include "ckptfs_native.h"\n#include "ckptfs_readx.h"',
+        '#include "ckptfs_native.h"\n#include "ckptfs_readx.h"\n#include "ckptfs_logwr.h"',
         sources=[os.path.join(root, "native", name)
                  for name in ("ckptfs_native.c", "ckptfs_beneath.c", "ckptfs_readx.c",
-                              "ckptfs_cold.c")],
+                              "ckptfs_cold.c", "ckptfs_logwr.c")],
         include_dirs=[os.path.join(root, "native")] + ([str(b3)] if b3 else []),
         define_macros=[("CKPTFS_HAVE_BLAKE3", "1")] if b3 else [],
         extra_objects=_blake3_objects(b3) if b3 else [],

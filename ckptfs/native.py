@@ -539,3 +539,59 @@ def read_executor_addresses() -> tuple[int, int]:
     the FUSE fast path (a module of its own that calls them)."""
     return (int(ffi.cast("uintptr_t", ffi.addressof(lib, "ckptfs_read_extents"))),
             int(ffi.cast("uintptr_t", ffi.addressof(lib, "ckptfs_hint_extents"))))
+
+
+# ---- the log writer (ckptfs/logwriter.py, native/ckptfs_logwr.h) ----------------
+
+__all__ += ["WriterThreads"]
+
+
+class WriterThreads:
+    """pwrite(2)s on C threads that never take the GIL; finished jobs are
+    announced on an eventfd (`fd`) and taken with `reap`. Nothing here blocks
+    but `close`, which waits for queued writes."""
+
+    REAP_BATCH = 64
+
+    def __init__(self, nthreads: int) -> None:
+        handle = lib.ckptfs_logwr_new(nthreads)
+        if handle == ffi.NULL:
+            err = ffi.errno
+            raise OSError(err, f"starting the log writer threads: {os.strerror(err)}")
+        self._handle = handle
+        self.fd: int = lib.ckptfs_logwr_fd(handle)
+        self._tokens = ffi.new("uint64_t[]", self.REAP_BATCH)
+        self._results = ffi.new("int64_t[]", self.REAP_BATCH)
+        self._held: dict = {}        # token -> the cffi view of its bytes, until reaped
+
+    def submit(self, fd: int, data: Buffer, pos: int, length: int, off: int,
+               token: int) -> None:
+        """Queue pwrite(fd, data[pos:pos+length], off); data is kept alive
+        (and must not change) until the job's token is reaped."""
+        if pos < 0 or length < 0 or pos + length > len(data):
+            raise ValueError(f"piece {pos}+{length} outside {len(data)} bytes")
+        buf = ffi.from_buffer(data)
+        rc = lib.ckptfs_logwr_submit(self._handle, fd, buf + pos, length, off, token)
+        if rc:
+            raise OSError(-rc, os.strerror(-rc))
+        self._held[token] = buf
+
+    def reap(self) -> list[tuple[int, int]]:
+        """(token, bytes written or -errno) of every finished job."""
+        out: list[tuple[int, int]] = []
+        while True:
+            n = lib.ckptfs_logwr_reap(self._handle, self._tokens, self._results,
+                                      self.REAP_BATCH)
+            out += zip(self._tokens[0:n], self._results[0:n])
+            if n < self.REAP_BATCH:
+                break
+        for token, _ in out:
+            del self._held[token]
+        return out
+
+    def close(self) -> None:
+        """Let queued writes finish, stop the threads. May block."""
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            lib.ckptfs_logwr_free(handle)    # every queued write has ended
+            self._held.clear()

@@ -70,6 +70,7 @@ class PmemLog:
         self.free_bytes = 0
         self._cursor = SUPERBLOCK_BYTES  # next-fit keeps writes sequential in the log
         self._scratch = threading.local()  # read_extents_into's partial blocks, per thread
+        self._closers: list = []         # run before the fd closes (logwriter's threads)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -212,8 +213,14 @@ class PmemLog:
                               "the ckptfs that made it)")
         return size_bytes, fs_uuid
 
+    def on_close(self, fn) -> None:
+        """Call fn() first when the log closes (threads that write into its fd)."""
+        self._closers.append(fn)
+
     def close(self) -> None:
         try:
+            while self._closers:
+                self._closers.pop()()
             self.mapping.close()
         finally:
             os.close(self.fd)

@@ -27,7 +27,8 @@ FEED_BACKLOG_BYTES wait for the feed; a write past that waits for it.
 
 The stager decides what runs on a worker thread: byte work over
 INLINE_BYTES (a small stream write whose turn has come is fed inline, with no
-task). `store` and `cut_for_commit` run on the trio thread and offload; the
+task); a large write's copy into a log file goes to the log writer's C
+threads instead (`logwriter.LogWriter`: no GIL taken there). `store` and `cut_for_commit` run on the trio thread and offload; the
 `*_blocking` functions do the byte work and may block; everything else runs
 on the trio thread without blocking.
 """
@@ -46,6 +47,7 @@ from .debugpause import pause_blocking, pausing_at
 from .dirtyfile import MAX_FILE_BYTES, DirtyFile
 from .errors import DamagedData, FileTooLarge
 from .index import CHUNK_LOG, Chunk, Extent, Index
+from .logwriter import LogWriter
 from . import index as ix
 from .overlay import ZERO_CHUNK
 from .pmemlog import PmemLog
@@ -202,6 +204,8 @@ class WriteStager:
         self.log = plog
         self.dedup = dedup
         self.io_limiter = io_limiter
+        # Large writes' copies into a log file: C threads (a DAX log's are memory copies).
+        self.writer = None if plog.dax else LogWriter(plog)
         self._next_staged = -1
         self.dedup_hits = 0                       # chunks found already stored
         self.dedup_bytes = 0                      # their bytes, not stored again
@@ -266,7 +270,11 @@ class WriteStager:
                 self.store_blocking(plan, data)
                 self.store_once(df, self.feed_blocking(stream, [(plan, data)]))
             else:
-                await self._inline_if_small(len(data), self.store_blocking, plan, data)
+                if self.writer is not None and len(data) > INLINE_BYTES \
+                        and not any(plan.chunks):
+                    await self.writer.write(data, plan.pieces)   # C threads, no GIL
+                else:
+                    await self._inline_if_small(len(data), self.store_blocking, plan, data)
                 if stream is not None and stream.alive:
                     await self._hand_to_feed(df, stream, plan, data)
         except BaseException as e:
