@@ -22,6 +22,7 @@ from cffi import FFI
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = ROOT / "native" / "ckptfs_native.h"
 FUSE_HEADER = ROOT / "native" / "ckptfs_fuse.h"
+COLDTABLE_HEADER = ROOT / "native" / "ckptfs_coldtable.h"   # cold READs on the fast path
 READX_HEADER = ROOT / "native" / "ckptfs_readx.h"     # the read executor (chunkread.py)
 LOGWR_HEADER = ROOT / "native" / "ckptfs_logwr.h"     # the log writer (logwriter.py)
 
@@ -118,12 +119,13 @@ def _pkg_config(*args: str) -> list[str]:
 def make_fuse_builder(root: str) -> FFI:
     """Builder of ``ckptfs._fusepath``, the FUSE channel fast path."""
     ffi = FFI()
-    ffi.cdef(_cdef(FUSE_HEADER))
+    ffi.cdef(_cdef(FUSE_HEADER) + "\n" + _cdef(COLDTABLE_HEADER))
     cflags = _pkg_config("--cflags")
     ffi.set_source(
         "ckptfs._fusepath",
-        '#include "ckptfs_fuse.h"',
-        sources=[os.path.join(root, "native", "ckptfs_fuse.c")],
+        '#include "ckptfs_fuse.h"\n#include "ckptfs_coldtable.h"',
+        sources=[os.path.join(root, "native", name)
+                 for name in ("ckptfs_fuse.c", "ckptfs_coldtable.c")],
         include_dirs=[os.path.join(root, "native")]
         + [f[2:] for f in cflags if f.startswith("-I")],
         libraries=[f[2:] for f in _pkg_config("--libs") if f.startswith("-l")],

@@ -35,6 +35,12 @@ sequential reader will want next (`cold_ahead`), continuing from where the
 last read's look-ahead stopped; it takes their records from the reader's
 window, and those it reads from the index past the window's end go to the
 next window's load (dropped, like windows, when the index changes them).
+The window's cold pieces whose chunks the cold store holds verified are
+published to the fast path's cold table (`_publish_cold`), which answers
+READs inside them from that memory without the interpreter; each piece keeps
+a view of its bytes until it is withdrawn (with the window, or trimmed
+behind the reader), so the cache can evict a chunk but not reuse or free
+what C may still read.
 
 `read` holds the bytes it planned with in place while it runs (the file's
 gate for uncommitted space, the reclaimer's read epochs for committed space)
@@ -45,9 +51,11 @@ worker thread. `read_blocking_into` may block; the rest runs on the trio thread.
 from __future__ import annotations
 
 import sys
+from collections import deque
 from bisect import bisect_left, bisect_right
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Optional, Union
 
 import trio
@@ -77,6 +85,13 @@ if TYPE_CHECKING:
         def read_forget(self, ino: int) -> None: ...
 
         def read_bytes(self) -> int: ...
+
+        def cold_publish(self, ino: int, offs: list[int], lens: list[int],
+                         addresses: list[int], refill_at: int) -> int: ...
+
+        def cold_trim(self, ino: int, below: int) -> None: ...
+
+        def cold_forget(self, ino: int) -> None: ...
 
 INLINE_BYTES = 64 * 1024         # reads up to this size are assembled on the trio thread
 AHEAD_RESCAN_BYTES = 64 << 20    # a reader this far behind its look-ahead starts it again
@@ -118,6 +133,13 @@ class MapWindow:
     published: bool = False          # the FUSE fast path answers reads inside it
     read_to: int = 0                 # where the last read ended (sequential or not)
     hinted_to: int = 0               # log read-ahead asked for up to this file offset
+    # Its cold table on the fast path: (piece end, pin) of every published
+    # piece, file order (None: nothing published); the extent to publish
+    # next; the read it was published for and how far past it.
+    cold_pins: Optional[deque] = None
+    cold_next: int = 0
+    cold_from: int = 0
+    cold_depth: int = 0
 
     def span(self, off: int, end: int) -> tuple[int, int]:
         """Extents [i, j) that overlap [off, end)."""
@@ -208,7 +230,10 @@ class ChunkReader:
             return bytes(length)
         if self.prefetcher is not None and any(p.chunk.kind == CHUNK_PACK for p in pieces):
             self.prefetcher.prefetch(self.cold_ahead(ino, off + size, file_size,
-                                                     window if df is None else None))
+                                                     window if df is None else None),
+                                     partial(self._cold_fetched, ino))
+            if df is None and self._publisher is not None:
+                self._publish_cold(window, off, refill=True)
         # The gate keeps uncommitted space it reads from being reused; the
         # epoch, committed space freed meanwhile.
         buf = self._replies.take(length)
@@ -361,6 +386,10 @@ class ChunkReader:
             # Before its table's memory can go, and before the change is made.
             self._publisher.read_forget(ino)
             window.published = False
+        if window.cold_pins is not None:
+            # Likewise: the pins (the cold bytes' memory) go after the table.
+            self._publisher.cold_forget(ino)
+            window.cold_pins = None
         for e in window.extents:
             users = self._chunk_users.get(e.chunk_no)
             if users is not None:
@@ -376,6 +405,74 @@ class ChunkReader:
         self._ahead_records.pop(chunk_no, None)
         for ino in list(self._chunk_users.get(chunk_no, ())):
             self._drop_window(ino)
+
+    # ------------------------------------------------- cold reads in C
+
+    def _publish_cold(self, window: MapWindow, off: int, refill: bool = False) -> None:
+        """Publish to the fast path's cold table of window's file the cold
+        extents, from where publication stopped (or off, if the reader is past
+        that), whose chunks the cold store holds verified, in file order, up
+        to the prefetcher's depth past off; stop at the first not there yet.
+        A published piece keeps (pins) the memory of its bytes until the
+        window is dropped or the reader is HINT_SLACK_BYTES past it, so the
+        cache may evict the chunk but never reuse or free what C reads from.
+
+        refill (a READ the daemon serves at off): pieces well behind off go,
+        and READs reaching past off + depth/2 come to the daemon again, which
+        asks the prefetcher for more (cold_ahead) and publishes further.
+        Trio thread."""
+        pub = self._publisher
+        if self.cold is None or window.published:
+            return
+        ino = window.ino
+        if window.cold_pins is None:
+            window.cold_pins = deque()
+        pins = window.cold_pins
+        if refill:
+            window.cold_from = off
+            window.cold_depth = (self.prefetcher.depth_for(ino) if self.prefetcher is not None
+                                 else WINDOW_BYTES)
+            below = off - HINT_SLACK_BYTES
+            if pins and pins[0][0] <= below:
+                pub.cold_trim(ino, below)       # C lets go first, then the pins go
+                while pins and pins[0][0] <= below:
+                    pins.popleft()
+        off, depth = window.cold_from, window.cold_depth
+        k = window.cold_next
+        if k < len(window.extents) and window.ends[k] <= off:
+            k = bisect_right(window.ends, off)  # the reader jumped past
+        stop = min(off + depth, window.end)
+        offs, lens, addresses, new_pins, at = [], [], [], [], []
+        while k < len(window.extents) and window.offs[k] < stop:
+            e, chunk = window.extents[k], window.chunks[k]
+            if chunk is not None and chunk.kind == CHUNK_PACK:
+                got = self.cold.cached_piece(chunk) \
+                    if e.chunk_off + e.length <= chunk.length else None
+                if got is None:
+                    break               # not fetched yet (or damaged: the daemon's read says so)
+                view, address = got
+                s, t = max(e.file_off, window.start), min(e.end, window.end)
+                if t > s:
+                    offs.append(s)
+                    lens.append(t - s)
+                    addresses.append(address + e.chunk_off + s - e.file_off)
+                    new_pins.append((t, view))
+                    at.append(k)
+            # Anything else (a LOG extent, a record missing) is left out:
+            # READs that need it come to the daemon.
+            k += 1
+        if not pins and not new_pins:
+            return                              # no table, none made
+        added = pub.cold_publish(ino, offs, lens, addresses, off + depth // 2)
+        pins.extend(new_pins[:added])
+        # A piece not added (no table slot free) is tried again next time.
+        window.cold_next = at[added] if added < len(at) else k
+
+    def _cold_fetched(self, ino: int) -> None:
+        """The prefetcher fetched cold chunks for ino's reader: publish them."""
+        window = self._windows.get(ino)
+        if window is not None and window.cold_pins is not None:
+            self._publish_cold(window, window.cold_from)
 
     # ------------------------------------------------------------ planning
 

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 import trio
 
@@ -74,8 +74,9 @@ class ColdStore:
     def __init__(self, backend: Backend, cache_bytes: int) -> None:
         self.backend = backend
         self.cache_limit = cache_bytes
-        # chunk id -> its verified bytes (a view of what was read) and their span
-        self._cache: OrderedDict[bytes, tuple[memoryview, _Span]] = OrderedDict()
+        # chunk id -> its verified bytes (a view of what was read), their span
+        # and their address (for the FUSE fast path: `cached_piece`)
+        self._cache: OrderedDict[bytes, tuple[memoryview, _Span, int]] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()
         self._fetching: dict[bytes, threading.Event] = {}
@@ -116,6 +117,20 @@ class ColdStore:
         out[:] = data[chunk_off:chunk_off + len(out)]
         return True
 
+    def cached_piece(self, chunk: Chunk) -> Optional[tuple[memoryview, int]]:
+        """The chunk's verified bytes (read-only) and their address, if they
+        are in the cache and as long as its record says; else None. The trio
+        thread may call it. Whoever keeps the view keeps the memory at that
+        address as it is: the cache may evict the chunk, never reuse that memory."""
+        with self._lock:
+            entry = self._cache.get(chunk.chunk_id)
+            if entry is None:
+                return None
+            self._cache.move_to_end(chunk.chunk_id)
+        if len(entry[0]) != chunk.length:
+            return None             # the daemon's read of it says what is wrong
+        return entry[0], entry[2]
+
     def cached(self, chunk: Chunk) -> bool:
         with self._lock:
             return chunk.chunk_id in self._cache or chunk.chunk_id in self._fetching
@@ -155,14 +170,14 @@ class ColdStore:
         try:
             got = self._verified(chunks)
             with self._lock:
-                for chunk, (data, span) in zip(chunks, got):
+                for chunk, (data, span, address) in zip(chunks, got):
                     if chunk.chunk_id not in self._cache and span.size <= self.cache_limit:
-                        self._cache[chunk.chunk_id] = (data, span)
+                        self._cache[chunk.chunk_id] = (data, span, address)
                         if span.live == 0:
                             self._cached_bytes += span.size
                         span.live += 1
                 while self._cached_bytes > self.cache_limit and self._cache:
-                    _, (_, old) = self._cache.popitem(last=False)
+                    _, (_, old, _) = self._cache.popitem(last=False)
                     old.live -= 1
                     if old.live == 0:
                         self._cached_bytes -= old.size
@@ -170,7 +185,7 @@ class ColdStore:
                             self._idle.setdefault(old.size, []).append(old.buf)
                             self._idle_bytes += old.size
                         old.buf = None
-            return [data for data, _ in got]
+            return [data for data, _, _ in got]
         finally:
             with self._lock:
                 for chunk in chunks:
@@ -178,8 +193,9 @@ class ColdStore:
                     if ev is not None:
                         ev.set()
 
-    def _verified(self, chunks: list[Chunk]) -> list[tuple[memoryview, _Span]]:
-        """The chunks' bytes, checked, each with the span it is a view of:
+    def _verified(self, chunks: list[Chunk]) -> list[tuple[memoryview, _Span, int]]:
+        """The chunks' bytes, checked, each with the span it is a view of and
+        its address:
         each payload's CRC, then decoded and its BLAKE3 id. A run of
         neighbours in one pack is one read and one native call that checks
         every payload's CRC, and the id of every raw one (a raw payload is
@@ -192,7 +208,7 @@ class ColdStore:
             if c.kind != CHUNK_PACK:
                 raise DamagedData(f"chunk {c.chunk_no} is not a cold chunk (kind {c.kind})")
             ix.check_chunk_record(c)
-        out: list[tuple[memoryview, _Span]] = []
+        out: list[tuple[memoryview, _Span, int]] = []
         i = 0
         while i < len(chunks):
             j = i + 1
@@ -231,17 +247,18 @@ class ColdStore:
                                   "mismatch")
             span = _Span(len(buf), buf) if buf is not None else _Span(size)
             view = memoryview(read).toreadonly()
+            base = native.address_of(view)
             for c, off, checked in zip(run, offs, raw):
                 payload = view[off:off + c.stored_length]
                 if not checked:
                     data = self._decode(c, payload)
-                    out.append((memoryview(data), _Span(len(data))))
+                    out.append((memoryview(data), _Span(len(data)), native.address_of(data)))
                 elif c.codec_param != 0 or c.stored_length != c.length:
                     raise DamagedData(f"cold chunk {c.chunk_no} in {name}: a raw payload of "
                                       f"{c.stored_length} bytes (param {c.codec_param}) "
                                       f"for a {c.length}-byte chunk")
                 else:
-                    out.append((payload, span))
+                    out.append((payload, span, base + off))
             i = j
         self.fetches += len(chunks)
         self.fetched_bytes += sum(c.stored_length for c in chunks)
@@ -310,10 +327,12 @@ class Prefetcher:
         finally:
             self._nursery = None
 
-    def prefetch(self, chunks: list[Chunk]) -> None:
+    def prefetch(self, chunks: list[Chunk], fetched: Optional[Callable[[], None]] = None
+                 ) -> None:
         """Fetch these cold chunks into the cache in the background, about
         PREFETCH_BATCH_BYTES per worker-thread call (neighbours in a pack
-        come with one read)."""
+        come with one read); fetched (if given) is called on the trio thread
+        after each call that fetched without an error."""
         if self._nursery is None:
             return
         batch: list[Chunk] = []
@@ -324,13 +343,19 @@ class Prefetcher:
             batch.append(c)
             size += c.length
             if size >= PREFETCH_BATCH_BYTES:
-                self._nursery.start_soon(self._fetch, batch)
+                self._nursery.start_soon(self._fetch, batch, fetched)
                 batch, size = [], 0
         if batch:
-            self._nursery.start_soon(self._fetch, batch)
+            self._nursery.start_soon(self._fetch, batch, fetched)
 
-    async def _fetch(self, chunks: list[Chunk]) -> None:
+    async def _fetch(self, chunks: list[Chunk], fetched: Optional[Callable[[], None]]
+                     ) -> None:
         try:
             await trio.to_thread.run_sync(self.cold.get_many, chunks, limiter=self._limiter)
         except CkptfsError:
-            pass            # the read that needs it reports the error
+            return          # the read that needs it reports the error
+        if fetched is not None:
+            try:
+                fetched()
+            except CkptfsError:
+                pass        # likewise

@@ -8,7 +8,9 @@ inodes `caps_absent` marked without entering the interpreter, counts every
 request by opcode, and says when the INIT reply has gone out. It also
 answers READs of files whose read table the reader published (`read_table`:
 chunkread.py's window of a file with no uncommitted changes) when every byte
-is in the page cache, without entering the interpreter.
+is in the page cache, without entering the interpreter; and READs of cold
+chunks the cold store has fetched and verified, from the cold table the
+reader publishes of them (`cold_publish`: native/ckptfs_coldtable.h).
 
 In a process that loaded pyfuse3 first (tests that import the adapter) the
 fast path cannot install itself: `hooked()` stays False and every request
@@ -109,13 +111,51 @@ def read_forget(ino: int) -> None:
         lib.ckptfs_fuse_read_forget(ino)
 
 
+def cold_publish(ino: int, offs: list[int], lens: list[int], addresses: list[int],
+                 refill_at: int) -> int:
+    """READs of ino may be answered in C from file bytes [offs[k], offs[k] +
+    lens[k]), the verified cold chunk bytes at addresses[k], until
+    `cold_forget(ino)` or `cold_trim` past them; pieces in file order. The
+    caller keeps that memory alive and unchanged until then, and calls
+    `cold_forget` before the file's map, its chunks or its size change.
+    READs reaching past refill_at go to the daemon. Returns how many pieces
+    were added (fewer when one is out of order or no table slot is free).
+    Call it only when the fast path is on (`hooked`): a cffi call here
+    releases and takes the GIL again, which costs while workers run."""
+    if not hasattr(lib, "ckptfs_cold_publish"):
+        return 0
+    return lib.ckptfs_cold_publish(ino, ffi.new("uint64_t[]", offs), ffi.new("uint64_t[]", lens),
+                                   ffi.new("uintptr_t[]", addresses), len(offs), refill_at)
+
+
+def cold_trim(ino: int, below: int) -> None:
+    """Pieces of ino's cold table ending at or before below are dropped
+    (their pins may go after this)."""
+    if lib is not None and hasattr(lib, "ckptfs_cold_trim"):
+        lib.ckptfs_cold_trim(ino, below)
+
+
+def cold_forget(ino: int) -> None:
+    """ino's cold table is dropped: its READs go to the daemon again."""
+    if lib is not None and hasattr(lib, "ckptfs_cold_forget"):
+        lib.ckptfs_cold_forget(ino)
+
+
+def _cold_counters() -> list[int]:
+    if lib is None or not hasattr(lib, "ckptfs_cold_counters"):
+        return [0, 0, 0]
+    out = ffi.new("uint64_t[]", 3)
+    lib.ckptfs_cold_counters(out, 3)
+    return [int(x) for x in out]
+
+
 def read_bytes() -> int:
-    """File bytes the fast path has answered READs with. Any thread."""
+    """File bytes the fast path has answered READs with (cold ones too). Any thread."""
     if lib is None:
         return 0
     out = ffi.new("uint64_t[]", _N_COUNTERS)
     lib.ckptfs_fuse_counters(out, _N_COUNTERS)
-    return int(out[_N_OPCODES + 5])
+    return int(out[_N_OPCODES + 5]) + _cold_counters()[1]
 
 
 def init_replied() -> bool:
@@ -130,7 +170,10 @@ def stats() -> dict[str, object]:
     if lib is None:
         return {"fuse_fastpath": False, "fuse_requests": {}, "fuse_write_bytes": 0,
                 "fuse_getxattr_answered_in_c": 0, "fuse_read_answered_in_c": 0,
-                "fuse_read_bytes_in_c": 0, "fuse_read_passed_on": 0}
+                "fuse_read_bytes_in_c": 0, "fuse_read_passed_on": 0,
+                "fuse_cold_read_answered_in_c": 0, "fuse_cold_read_bytes_in_c": 0,
+                "fuse_cold_read_passed_on": 0}
+    cold = _cold_counters()
     out = ffi.new("uint64_t[]", _N_COUNTERS)
     lib.ckptfs_fuse_counters(out, _N_COUNTERS)
     requests = {OPCODES.get(i, f"OP{i}"): int(out[i]) for i in range(_N_OPCODES) if out[i]}
@@ -141,4 +184,6 @@ def stats() -> dict[str, object]:
             "fuse_getxattr_answered_in_c": int(out[_N_OPCODES + 2]),
             "fuse_read_answered_in_c": int(out[_N_OPCODES + 4]),
             "fuse_read_bytes_in_c": int(out[_N_OPCODES + 5]),
-            "fuse_read_passed_on": int(out[_N_OPCODES + 6])}
+            "fuse_read_passed_on": int(out[_N_OPCODES + 6]),
+            "fuse_cold_read_answered_in_c": cold[0], "fuse_cold_read_bytes_in_c": cold[1],
+            "fuse_cold_read_passed_on": cold[2]}

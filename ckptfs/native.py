@@ -51,6 +51,13 @@ MAP_SYNC = 0x80000
 _FLUSH_NAMES = {0: "none", 1: "clflush", 2: "clflushopt", 3: "clwb"}
 
 
+def address_of(data: Buffer) -> int:
+    """The address of data's memory: valid while data is alive and, for a
+    bytearray, not resized (a memoryview of it that is alive prevents that)."""
+    with ffi.from_buffer(data) as buf:
+        return int(ffi.cast("uintptr_t", buf))
+
+
 def crc32c(data: Buffer, seed: int = 0) -> int:
     """CRC-32C (Castagnoli) of ``data``; pass a previous result as ``seed`` to chain."""
     with ffi.from_buffer(data) as buf:

@@ -28,6 +28,9 @@
  *    with the GIL released.  Anything else (a byte not cached, a check that
  *    fails, a range outside the table) goes to libfuse, and the daemon's
  *    read path does it as before (a failed check is EIO there);
+ *  - for a file with no such table, asks its cold table
+ *    (ckptfs_coldtable.h: cold chunks fetched and verified, answered from
+ *    the cold cache's memory);
  * The write side notes when libfuse has sent the INIT reply: the kernel
  * resets the mount's read-ahead while it handles that reply, so the daemon
  * raises it only after (ckptfs_fuse_init_replied).

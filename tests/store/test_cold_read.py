@@ -19,7 +19,7 @@ from ckptfs.backing.local import LocalBackend
 from ckptfs.coldstore import SPAN_CLASS_BYTES, ColdStore
 from ckptfs.index import CHUNK_PACK, Chunk
 from mounting import run_ckptfs
-from posix_helpers import read_file, wait_for, write_file
+from posix_helpers import check_clean, read_file, wait_for, write_file
 
 MiB = 1 << 20
 
@@ -180,3 +180,145 @@ def test_readers_sharing_the_cold_cache_look_ahead_within_half_of_it(tmp_path, m
     assert prefetcher.depth_for(1) == MIN_DEPTH_BYTES
     now[0] += READER_IDLE_S + 1                         # the others went quiet
     assert prefetcher.depth_for(1) == 32 * MiB
+
+
+def cold_answered(m) -> int:
+    return m.stat()["fuse_cold_read_answered_in_c"]
+
+
+def pread_all(fd: int, n: int, off: int, step: int = MiB) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        got = os.pread(fd, min(step, n - len(out)), off + len(out))
+        if not got:
+            break
+        out += got
+    return bytes(out)
+
+
+def test_cold_reads_answered_in_c_are_the_files_bytes(make_mount, fsck_clean):
+    # READs of cold chunks the prefetcher fetched and verified are answered
+    # by the fast path from the cold cache (native/ckptfs_coldtable.c): the
+    # bytes must be the file's, across windows, a hole, an odd end, and
+    # reads that begin and end anywhere.
+    m = make_mount(options=["pmem_size=256M"])
+    head, tail = incompressible(20 * MiB, 4), incompressible(30 * MiB + 77, 5)
+    want = head + bytes(3 * MiB + 11) + tail
+    fd = os.open(m.path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, head, 0)
+        os.pwrite(fd, tail, len(head) + 3 * MiB + 11)
+    finally:
+        os.close(fd)
+    tier_now(m)
+    m.remount()                                 # an empty cold cache, no page cache
+    assert cold_answered(m) == 0
+    fd = os.open(m.path / "f", os.O_RDONLY)
+    try:
+        assert pread_all(fd, len(want), 0) == want
+        answered = cold_answered(m)
+        assert answered > 0, "no cold READ was answered by the fast path"
+        rng = random.Random(8)
+        for _ in range(60):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            off = rng.randrange(len(want))
+            n = rng.randrange(1, 3 * MiB)
+            assert os.pread(fd, n, off) == want[off:off + n], (off, n)
+    finally:
+        os.close(fd)
+    stats = m.stat()
+    assert stats["fuse_cold_read_bytes_in_c"] > 0
+    assert stats["bytes_read"] >= len(want)
+    assert stats["cold_fetches"] > 0
+    check_clean(fsck_clean, m)
+
+
+def test_cold_reads_in_c_never_serve_evicted_stale_or_unlinked_bytes(make_mount, fsck_clean):
+    # Published cold bytes stay the file's while the cache evicts them (two
+    # readers of 80 MiB each through a 128 MiB cache), while the file is
+    # overwritten and truncated under a reader, and after it is unlinked
+    # with a reader holding it open.
+    import threading
+    m = make_mount(options=["pmem_size=512M"])
+    a, b = incompressible(80 * MiB, 6), incompressible(80 * MiB, 7)
+    write_file(m.path / "a", a)
+    write_file(m.path / "b", b)
+    tier_now(m)
+    m.remount()
+    chunks = m.stat()["chunks"]
+    errors: list[str] = []
+
+    def read_twice(name: str, want: bytes) -> None:
+        fd = os.open(m.path / name, os.O_RDONLY)
+        try:
+            for n in range(2):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                if pread_all(fd, len(want), 0) != want:
+                    errors.append(f"{name}: pass {n} read other bytes")
+        finally:
+            os.close(fd)
+    readers = [threading.Thread(target=read_twice, args=(n, d)) for n, d in (("a", a), ("b", b))]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    assert not errors, errors
+    stats = m.stat()
+    assert stats["fuse_cold_read_answered_in_c"] > 0
+    assert stats["cold_fetches"] > chunks, "nothing was evicted and fetched again"
+
+    # Overwritten under a reader: every pass that starts after the write
+    # returned reads the new bytes; those before may read either.
+    new = incompressible(8 * MiB, 8)
+    after = a[:40 * MiB] + new + a[48 * MiB:]
+    written = threading.Event()
+    stop = threading.Event()
+
+    def reread() -> None:
+        fd = os.open(m.path / "a", os.O_RDONLY)
+        try:
+            while not stop.is_set():
+                fresh = written.is_set()
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                got = pread_all(fd, len(a), 0)
+                if got != after and (fresh or got != a):
+                    errors.append(f"a read {'after' if fresh else 'during'} the write "
+                                  "is neither the old nor the new file")
+        finally:
+            os.close(fd)
+    reader = threading.Thread(target=reread)
+    reader.start()
+    try:
+        wait_for(lambda: m.stat()["fuse_cold_read_answered_in_c"]
+                 > stats["fuse_cold_read_answered_in_c"], timeout_s=30)
+        fd = os.open(m.path / "a", os.O_WRONLY)
+        try:
+            os.pwrite(fd, new, 40 * MiB)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        written.set()
+        passes = m.stat()["fuse_cold_read_answered_in_c"]
+        wait_for(lambda: m.stat()["fuse_cold_read_answered_in_c"] > passes + 100,
+                 timeout_s=60)
+    finally:
+        stop.set()
+        reader.join()
+    assert not errors, errors
+    os.truncate(m.path / "a", 30 * MiB + 5)
+    with open(m.path / "a", "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        assert f.read() == a[:30 * MiB + 5]
+
+    # Unlinked while open: the reader still reads the file's bytes.
+    fd = os.open(m.path / "b", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert pread_all(fd, 10 * MiB, 0) == b[:10 * MiB]
+        os.unlink(m.path / "b")
+        assert pread_all(fd, len(b) - 10 * MiB, 10 * MiB) == b[10 * MiB:]
+    finally:
+        os.close(fd)
+    write_file(m.path / "c", a[:20 * MiB])     # a new file after the unlink
+    assert read_file(m.path / "c") == a[:20 * MiB]
+    check_clean(fsck_clean, m)

@@ -1,0 +1,185 @@
+/* Cold read tables: see ckptfs_coldtable.h for what and why. */
+#define _GNU_SOURCE
+
+#include <Python.h>     /* first, as Python asks: only to release the GIL while writing */
+
+#include "ckptfs_coldtable.h"
+#include "ckptfs_coldtable_answer.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+
+#include <linux/fuse.h>
+
+/* One per file being read (chunkread.py keeps at most MAX_WINDOWS windows,
+ * and withdraws a window's table when it drops the window). */
+#define CT_SLOTS 64
+/* A READ made of more pieces than this goes to the daemon (1 MiB of the
+ * smallest chunks the chunker cuts is far fewer). */
+#define CT_MAX_IOV 256
+
+typedef struct {
+    uint64_t off, length;
+    const uint8_t *addr;
+} ct_piece;
+
+typedef struct {
+    uint64_t ino;               /* 0: a free slot */
+    ct_piece *pieces;           /* [first, n) are live, in file order */
+    size_t first, n, cap;
+    uint64_t refill_at;
+} ct_table;
+
+static ct_table tables[CT_SLOTS];
+static uint64_t counters[3];
+
+static ct_table *table_of(uint64_t ino)
+{
+    if (ino == 0)
+        return NULL;
+    for (size_t i = 0; i < CT_SLOTS; i++)
+        if (tables[i].ino == ino)
+            return &tables[i];
+    return NULL;
+}
+
+static ct_table *table_made(uint64_t ino)
+{
+    ct_table *t = table_of(ino);
+    for (size_t i = 0; i < CT_SLOTS && t == NULL; i++)
+        if (tables[i].ino == 0) {
+            t = &tables[i];
+            ct_piece *keep = t->pieces;     /* a freed slot keeps its array */
+            size_t cap = t->cap;
+            *t = (ct_table){.ino = ino, .pieces = keep, .cap = cap, .refill_at = 0};
+        }
+    return t;
+}
+
+static int add_piece(ct_table *t, uint64_t off, uint64_t length, uintptr_t addr)
+{
+    if (length == 0 || addr == 0 || off + length < off)
+        return -1;
+    if (t->n > t->first) {
+        const ct_piece *last = &t->pieces[t->n - 1];
+        if (off < last->off + last->length)
+            return -1;
+    }
+    if (t->n == t->cap) {
+        if (t->first > 0) {             /* room left by trimmed pieces first */
+            memmove(t->pieces, t->pieces + t->first, (t->n - t->first) * sizeof *t->pieces);
+            t->n -= t->first;
+            t->first = 0;
+        }
+        if (t->n == t->cap) {
+            size_t cap = t->cap ? 2 * t->cap : 512;
+            ct_piece *p = realloc(t->pieces, cap * sizeof *p);
+            if (p == NULL)
+                return -1;
+            t->pieces = p;
+            t->cap = cap;
+        }
+    }
+    t->pieces[t->n++] = (ct_piece){.off = off, .length = length, .addr = (const uint8_t *)addr};
+    return 0;
+}
+
+size_t ckptfs_cold_publish(uint64_t ino, const uint64_t *offs, const uint64_t *lens,
+                           const uintptr_t *addrs, size_t n, uint64_t refill_at)
+{
+    if (ino == 0)
+        return 0;
+    ct_table *t = n > 0 ? table_made(ino) : table_of(ino);
+    if (t == NULL)
+        return 0;
+    size_t k = 0;
+    while (k < n && add_piece(t, offs[k], lens[k], addrs[k]) == 0)
+        k++;
+    t->refill_at = refill_at;
+    return k;
+}
+
+void ckptfs_cold_trim(uint64_t ino, uint64_t below)
+{
+    ct_table *t = table_of(ino);
+    if (t == NULL)
+        return;
+    while (t->first < t->n && t->pieces[t->first].off + t->pieces[t->first].length <= below)
+        t->first++;
+}
+
+void ckptfs_cold_forget(uint64_t ino)
+{
+    ct_table *t = table_of(ino);
+    if (t == NULL)
+        return;
+    t->ino = 0;
+    t->first = t->n = 0;        /* the array is kept for the slot's next table */
+}
+
+void ckptfs_cold_counters(uint64_t *out, size_t n)
+{
+    if (n > 3)
+        n = 3;
+    for (size_t i = 0; i < n; i++)
+        out[i] = __atomic_load_n(&counters[i], __ATOMIC_RELAXED);
+}
+
+int ckptfs_cold_answer(int fd, uint64_t ino, uint64_t unique, uint64_t off, uint64_t size)
+{
+    ct_table *t = table_of(ino);
+    if (t == NULL)
+        return 0;
+    uint64_t end = off + size;
+    if (size == 0 || end < off || end > t->refill_at) {
+        __atomic_fetch_add(&counters[2], 1, __ATOMIC_RELAXED);
+        return 0;
+    }
+    size_t lo = t->first, hi = t->n;     /* the first piece ending after off */
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (t->pieces[mid].off + t->pieces[mid].length <= off)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    struct fuse_out_header out = {.len = (uint32_t)(sizeof out + size), .error = 0,
+                                  .unique = unique};
+    struct iovec iov[CT_MAX_IOV + 1];
+    iov[0] = (struct iovec){.iov_base = &out, .iov_len = sizeof out};
+    int n_iov = 1;
+    uint64_t pos = off;
+    for (size_t k = lo; pos < end; k++) {
+        /* Every byte from a piece, the pieces back to back: a gap (a byte
+         * not fetched yet, a hole, a log chunk) is the daemon's to read. */
+        if (k == t->n || t->pieces[k].off > pos || n_iov > CT_MAX_IOV) {
+            __atomic_fetch_add(&counters[2], 1, __ATOMIC_RELAXED);
+            return 0;
+        }
+        const ct_piece *p = &t->pieces[k];
+        uint64_t stop = p->off + p->length < end ? p->off + p->length : end;
+        iov[n_iov++] = (struct iovec){.iov_base = (void *)(p->addr + (pos - p->off)),
+                                      .iov_len = (size_t)(stop - pos)};
+        pos = stop;
+    }
+    /* The kernel copies out of the pieces' memory: the only copy. Nothing
+     * else changes the table meanwhile (only this thread does), and the
+     * memory stays until the table lets go of it, so the GIL may go. */
+    PyThreadState *saved = NULL;
+    if (Py_IsInitialized() && PyGILState_Check())
+        saved = PyEval_SaveThread();
+    ssize_t w = writev(fd, iov, n_iov);
+    int e = errno;
+    if (saved != NULL)
+        PyEval_RestoreThread(saved);
+    if (w < 0 && e == ENODEV) {
+        errno = ENODEV;
+        return -1;              /* unmounted: libfuse ends the session */
+    }
+    /* ENOENT: the request was interrupted meanwhile, nobody waits for it. */
+    __atomic_fetch_add(&counters[0], 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&counters[1], size, __ATOMIC_RELAXED);
+    return 1;
+}

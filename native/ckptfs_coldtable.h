@@ -1,0 +1,48 @@
+/* Cold read tables: READs of cold chunks answered on the FUSE fast path
+ * (ckptfs_fuse.c's answer_read asks here when a file has no log read table).
+ *
+ * The daemon's reader (chunkread.py) publishes, per inode, the pieces of
+ * its read window whose cold chunks the cold store has fetched and verified
+ * (coldstore.py: each payload's CRC-32C and BLAKE3 id checked before a byte
+ * is cached): (file offset, length, address into that verified memory).  A
+ * READ wholly covered by consecutive pieces, ending before the table's
+ * refill point, is answered with one writev straight from that memory
+ * (GIL released); anything else goes to the daemon, which serves it, asks
+ * the prefetcher for more and publishes further.
+ *
+ * Every call, and the answers, run on the thread that reads the FUSE fd
+ * (pyfuse3's trio thread); the memory stays the caller's and must stay
+ * valid and unchanged until ckptfs_cold_forget or ckptfs_cold_trim drops
+ * the pieces that point into it; call ckptfs_cold_forget before the file's
+ * map, its chunks or its size change.  Counters are read from any thread. */
+#ifndef CKPTFS_COLDTABLE_H
+#define CKPTFS_COLDTABLE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Add n pieces to ino's table (made if it has none): file bytes
+ * [offs[k], offs[k] + lens[k]) are the lens[k] bytes at addrs[k].  Pieces
+ * come in file order: each at or after the end of the one before.  Then
+ * READs reaching past refill_at go to the daemon (which publishes further
+ * and moves this point on).  One call for many pieces: cffi releases and
+ * takes the GIL again around each call, which costs while workers run.
+ * Returns how many were added: fewer than n if one is out of order or
+ * empty, memory ran out, or every table slot is taken (the refill point is
+ * set when the table exists). */
+size_t ckptfs_cold_publish(uint64_t ino, const uint64_t *offs, const uint64_t *lens,
+                           const uintptr_t *addrs, size_t n, uint64_t refill_at);
+
+/* Drop ino's pieces that end at or before file offset below. */
+void ckptfs_cold_trim(uint64_t ino, uint64_t below);
+
+/* Drop ino's table: its READs go to the daemon again. */
+void ckptfs_cold_forget(uint64_t ino);
+
+/* Counters since the mount: out[0] READs answered from cold tables,
+ * out[1] their bytes, out[2] READs of an inode with a table that went to
+ * the daemon (a byte not published, past the refill point, too many
+ * pieces).  n <= 3. */
+void ckptfs_cold_counters(uint64_t *out, size_t n);
+
+#endif
