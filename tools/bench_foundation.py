@@ -1237,7 +1237,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if path.startswith(str(root) + "/"):
             log(f"unmounting leftover {path}")
             force_unmount(Path(path))
-    need = 3 * max(sizes.seq_bytes, sizes.rss_bytes) + 8 * GiB
+    # The peak-RSS step writes the largest file; --no-rss skips it.
+    need = 3 * max(sizes.seq_bytes, 0 if args.no_rss else sizes.rss_bytes) + 8 * GiB
     if shutil.disk_usage(root).free < need:
         print(f"bench_foundation: need {need / GiB:.0f} GiB free in {root}", file=sys.stderr)
         return 2
