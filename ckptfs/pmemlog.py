@@ -60,6 +60,10 @@ def round_up(n: int, to: int = PAGE_BYTES) -> int:
 class PmemLog:
     """A mapped log file with a byte-exact, next-fit free-space allocator."""
 
+    # Large writes into a log on a file may bypass `write` for the log writer's
+    # C threads (logwriter.py); a log that must see every store says False.
+    threaded_writes = True
+
     def __init__(self, path: str, fd: int, size_bytes: int, dax: bool, mapping) -> None:
         self.path = path
         self.fd = fd

@@ -205,7 +205,7 @@ class WriteStager:
         self.dedup = dedup
         self.io_limiter = io_limiter
         # Large writes' copies into a log file: C threads (a DAX log's are memory copies).
-        self.writer = None if plog.dax else LogWriter(plog)
+        self.writer = LogWriter(plog) if plog.threaded_writes and not plog.dax else None
         self._next_staged = -1
         self.dedup_hits = 0                       # chunks found already stored
         self.dedup_bytes = 0                      # their bytes, not stored again

@@ -46,6 +46,8 @@ class Store:
 
 
 class FaultLog(PmemLog):
+    threaded_writes = False     # every store passes `write`, to be recorded
+
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self.stores: list[Store] = []
