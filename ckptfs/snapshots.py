@@ -15,7 +15,12 @@ symlink, device node and hard link. `Publisher.publish` writes one:
    consistent commit, never a half-applied batch), depth first with an
    explicit stack, writing each namespace object that the store does not
    hold yet (content-addressed, so unchanged directories and files cost
-   nothing but their hash);
+   nothing but their hash), all of them into one batch of the store
+   (`Backend.batch`) that is made durable at once when the walk is done (a
+   directory store: one fsync per object and one per directory instead of
+   two per object); until then a crash leaves none of them visible, or
+   whole ones nothing durable names (a later publish that finds one in the
+   store finds it whole: a batch renames a file into place after its fsync);
 3. then the head, last: a head names only durable objects, and objects name
    only chunks in durable packs (a chunk counts as in the store only once
    its pack flip is durable); with dedup across volumes, the own packs it
@@ -51,7 +56,7 @@ import trio
 from . import index as ix
 from . import packs
 from . import snapshot_format as sf
-from .backing.base import Backend
+from .backing.base import Backend, BlobBatch
 from .errors import BlobMissing, CkptfsError, FormatError, StoreAhead
 from .index import ROOT_INO, Chunk, Index, Inode
 from .volumes import HeadKey, Volume, head_name
@@ -174,6 +179,7 @@ class Publisher:
         self._walks = 0
         self._pool: Optional[ThreadPoolExecutor] = None
         self._writes: deque[Future] = deque()
+        self._batch: Optional[BlobBatch] = None     # this publish's objects
         self._state_seq = -1
         self._legacy_gone = False
         # Packs whose last chunk went: deleted once a head no longer needs them.
@@ -241,22 +247,27 @@ class Publisher:
         result = Published(seq, key=key)
         with self.index.read_view() as view, ThreadPoolExecutor(
                 WRITE_THREADS, thread_name_prefix="ckptfs snapshot") as pool:
-            self._pool, self._writes = pool, deque()
+            self._pool, self._writes, self._batch = pool, deque(), self.scope.batch()
             try:
                 self._walk(view, result)
                 result.packs_named = set(ix.scan_pack_numbers(view))
                 listed = ix.scan_unpublished(view, -1, UNPUBLISHED_LISTED + 1)
                 result.unpublished = None if len(listed) > UNPUBLISHED_LISTED \
                     else frozenset(listed)
-                while self._writes:                # every object durable before the head
+                while self._writes:
                     self._writes.popleft().result()
+                self._batch.sync()                 # every object durable before the head
             except BaseException:
                 for f in self._writes:
                     f.cancel()
+                for f in self._writes:
+                    if not f.cancelled():
+                        f.exception()              # written or failed: then dropped
+                self._batch.abort()
                 self.objects = None        # some may be missing: list the store again
                 raise
             finally:
-                self._pool = None
+                self._pool, self._batch = None, None
         now_ns = time.time_ns()
         head = sf.Head(self.volume.fs_uuid, seq, now_ns, result.root, result.entries,
                        result.files, result.incomplete_files, self.volume.name,
@@ -327,9 +338,7 @@ class Publisher:
         return oid
 
     def _write_object(self, oid: bytes, data: bytes) -> None:
-        with self.scope.writer(sf.object_name(oid)) as w:
-            w.write(data)
-            w.commit()
+        self._batch.put(sf.object_name(oid), data)
 
     def _dir_walk(self, view, ino: int, inode: Inode, name: bytes, result: Published
                   ) -> _DirWalk:

@@ -19,6 +19,15 @@ under its name, whole and durable, only when `commit()` returns; until then
 a name that exists replaces that blob atomically; pack files are never
 replaced (their names are unique), small metadata blobs may be.
 
+Batches (`Backend.batch`: a snapshot's namespace objects): small blobs put
+together and made durable together by one `BlobBatch.sync()`. A blob put in
+a batch is, until `sync()` returns, either not visible or visible whole
+(never torn under its name, even after a power loss); once `sync()`
+returns, every blob of the batch is visible and durable. What is written
+after `sync()` (a snapshot head) can name them. A directory store syncs
+them all at once (each file, then one fsync per directory); where every
+write is durable when it returns (S3), `sync()` has nothing left to do.
+
 Create-once: `create_once` writes a small blob only if its name is free, as
 one atomic step of the store (S3: a single PUT with If-None-Match: *; a
 directory: link(2) of a complete temporary file, which fails on an existing
@@ -167,6 +176,36 @@ class BlobWriter(ABC):
             self.abort()
 
 
+class BlobBatch:
+    """Small blobs written together, made durable together by `sync()` (see
+    the module docstring). `put` may be called from several threads at once;
+    `sync` and `abort` once, after the last `put` returned.
+
+    This one is for stores where a committed blob is durable already (S3):
+    each `put` is a write and commit through the backend's writer, `sync`
+    has nothing left to do. A directory store overrides it (local.py).
+    """
+
+    def __init__(self, backend: "Backend") -> None:
+        self.backend = backend
+
+    def put(self, name: str, data: bytes) -> None:
+        """Blob `name` holds `data` (visible and durable by `sync()`). May block."""
+        with self.backend.writer(name) as w:
+            w.write(data)
+            w.commit()
+
+    def sync(self) -> None:
+        """Every blob put is visible and durable once this returns. If it
+        raises, some may be visible and not known durable (as a failed
+        `BlobWriter.commit`): callers treat the batch's state as unknown.
+        May block."""
+
+    def abort(self) -> None:
+        """Drop what was put and not synced yet, where the store can (blobs
+        already visible stay). Idempotent."""
+
+
 class Backend(ABC):
     """A store of immutable blobs; see the module docstring for the rules."""
 
@@ -181,6 +220,10 @@ class Backend(ABC):
     @abstractmethod
     def writer(self, name: str) -> BlobWriter:
         """Start a new blob `name`; nothing is visible until its `commit()`."""
+
+    def batch(self) -> BlobBatch:
+        """A batch of small blobs to be made durable together (BlobBatch)."""
+        return BlobBatch(self)
 
     @abstractmethod
     def create_once(self, name: str, data: bytes) -> bool:

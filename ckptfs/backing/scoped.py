@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .base import Backend, BlobWriter, validate_name, validate_prefix
+from .base import Backend, BlobBatch, BlobWriter, validate_name, validate_prefix
 
 
 class ScopedBackend(Backend):
@@ -37,6 +37,9 @@ class ScopedBackend(Backend):
 
     def writer(self, name: str) -> BlobWriter:
         return self.inner.writer(self.prefix + validate_name(name))
+
+    def batch(self) -> BlobBatch:
+        return _ScopedBatch(self.inner.batch(), self.prefix)
 
     def create_once(self, name: str, data: bytes) -> bool:
         return self.inner.create_once(self.prefix + validate_name(name), data)
@@ -62,3 +65,20 @@ class ScopedBackend(Backend):
 
     def check(self) -> None:
         self.inner.check()
+
+
+class _ScopedBatch(BlobBatch):
+    """The store's own batch, with the scope's prefix on every name."""
+
+    def __init__(self, inner: BlobBatch, prefix: str) -> None:
+        self.inner = inner
+        self.prefix = prefix
+
+    def put(self, name: str, data: bytes) -> None:
+        self.inner.put(self.prefix + validate_name(name), data)
+
+    def sync(self) -> None:
+        self.inner.sync()
+
+    def abort(self) -> None:
+        self.inner.abort()

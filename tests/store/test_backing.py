@@ -594,6 +594,78 @@ def test_concurrent_writers(store):
     assert shared.decode().split() in [[str(i), "9"] for i in range(6)]
 
 
+BATCH_NAMES = [f"objects/{i % 5:02x}/{i:064x}" for i in range(24)]
+
+
+def _put_batch(batch, names) -> None:
+    """`put` from four threads at once, as the snapshot writer does."""
+    errors: list[BaseException] = []
+
+    def putter(k: int) -> None:
+        try:
+            for n in names[k::4]:
+                batch.put(n, blob(300 + 7 * names.index(n), seed=names.index(n)))
+        except BaseException as e:                       # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=putter, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def _absent_or_whole(backend: Backend, names) -> list[str]:
+    """The names visible in `backend`; each one must read whole."""
+    seen = []
+    for i, n in enumerate(names):
+        try:
+            size = backend.size(n)
+        except BlobMissing:
+            continue
+        assert size == 300 + 7 * i and backend.read(n, 0, size) == blob(size, seed=i), n
+        seen.append(n)
+    return seen
+
+
+def test_batch_is_visible_and_durable_after_sync(store, harness):
+    other = harness.reopen(store)
+    batch = store.batch()
+    _put_batch(batch, BATCH_NAMES)
+    batch.sync()
+    assert other.list("objects/") == sorted(BATCH_NAMES)
+    assert _absent_or_whole(other, BATCH_NAMES) == BATCH_NAMES
+    assert harness.leftovers(store) == []
+    batch.sync()                                           # nothing left: no-op
+    store.batch().sync()
+
+
+def test_batch_killed_before_sync_shows_no_torn_blob(store, harness):
+    """The writer dies between its puts and the sync: every name is absent or
+    whole (a directory store shows none), the leftovers go with
+    remove_incomplete."""
+    batch = store.batch()
+    _put_batch(batch, BATCH_NAMES)
+    after_restart = harness.reopen(store)
+    seen = _absent_or_whole(after_restart, BATCH_NAMES)
+    if isinstance(store, LocalBackend):                    # and FdRootBackend
+        assert seen == [], "a directory store shows a batch's blobs only after its sync"
+    assert after_restart.list("objects/") == sorted(seen)
+    after_restart.remove_incomplete(older_than=0)
+    assert harness.leftovers(store) == []
+    assert _absent_or_whole(after_restart, BATCH_NAMES) == seen
+
+
+def test_batch_abort_leaves_no_temporaries(store, harness):
+    batch = store.batch()
+    _put_batch(batch, BATCH_NAMES)
+    batch.abort()
+    batch.abort()                                          # idempotent
+    assert harness.leftovers(store) == []
+    assert store.list("objects/") == sorted(_absent_or_whole(store, BATCH_NAMES))
+
+
 def test_create_once(store):
     """A name is made once; a second writer finds it taken and changes nothing."""
     name = "volumes/v1/lease/0000000000000001"
