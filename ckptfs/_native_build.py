@@ -125,7 +125,7 @@ def make_fuse_builder(root: str) -> FFI:
         "ckptfs._fusepath",
         '#include "ckptfs_fuse.h"\n#include "ckptfs_coldtable.h"',
         sources=[os.path.join(root, "native", name)
-                 for name in ("ckptfs_fuse.c", "ckptfs_coldtable.c")],
+                 for name in ("ckptfs_fuse.c", "ckptfs_coldtable.c", "ckptfs_readpool.c")],
         include_dirs=[os.path.join(root, "native")]
         + [f[2:] for f in cflags if f.startswith("-I")],
         libraries=[f[2:] for f in _pkg_config("--libs") if f.startswith("-l")],

@@ -84,6 +84,8 @@ if TYPE_CHECKING:
 
         def read_forget(self, ino: int) -> None: ...
 
+        def read_retire(self, ino: int) -> None: ...
+
         def read_bytes(self) -> int: ...
 
         def cold_publish(self, ino: int, offs: list[int], lens: list[int],
@@ -317,7 +319,7 @@ class ChunkReader:
                 # Moving on: READs the kernel sent together arrive out of
                 # order, so the last few MiB before this one still come.
                 w_start = max(window.start, off - WINDOW_BACK_BYTES)
-            self._drop_window(ino, window)
+            self._drop_window(ino, window, moving=True)
         w_end = max(end, min(off + WINDOW_BYTES, file_size))
         extents = list(ix.iter_extents(self.index, ino, w_start, w_end))
         chunks: list[Optional[Chunk]] = []
@@ -377,14 +379,24 @@ class ChunkReader:
             pieces.append(ReadPiece(s - off, t - s, chunk, e.chunk_off + (s - e.file_off)))
         return pieces
 
-    def _drop_window(self, ino: int, window: Optional[MapWindow] = None) -> None:
+    def _drop_window(self, ino: int, window: Optional[MapWindow] = None,
+                     moving: bool = False) -> None:
+        """ino's window goes: before its table's memory can go, and before a
+        change to its map or chunks is made. moving: only because a reader
+        moved on past it (nothing changed)."""
         if window is None:
             window = self._windows.pop(ino, None)
             if window is None:
                 return
-        if window.published:
-            # Before its table's memory can go, and before the change is made.
-            self._publisher.read_forget(ino)
+        if self._publisher is not None:
+            if moving and window.published:
+                # Nothing changed: the fast path's reads of it in flight may
+                # finish (they carry copies of what they read with).
+                self._publisher.read_retire(ino)
+            else:
+                # Waits for the fast path's reads of ino in flight, those of
+                # tables retired before included: the change may free their space.
+                self._publisher.read_forget(ino)
             window.published = False
         if window.cold_pins is not None:
             # Likewise: the pins (the cold bytes' memory) go after the table.

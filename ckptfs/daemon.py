@@ -535,7 +535,7 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
         log.debug("FUSE channel fast path: %s", "on" if fastpath.hooked() else "off")
         if fastpath.hooked():
             fs.files.reader.publish_to(fastpath)     # READs of read windows answered in C
-        trio.run(_run, fs, opts, ready_fd, sock_path, attempt, metrics, merged)
+        trio.run(_run, fs, opts, ready_fd, sock_path, attempt, metrics, merged, ops)
     except (CkptfsError, OSError) as e:
         log.error("%s", e)
         _report(ready_fd, f"ckptfs: {e}")
@@ -551,7 +551,8 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
 
 
 async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
-               sock_path: str, attempt: Attempt, metrics=None, merged=None) -> None:
+               sock_path: str, attempt: Attempt, metrics=None, merged=None,
+               ops: Optional[CkptfsOperations] = None) -> None:
     async with trio.open_nursery() as outer:
         outer.start_soon(fs.run_committer)
         async with trio.open_nursery() as inner:
@@ -559,6 +560,9 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
             inner.start_soon(_watch_signals)
             if not fastpath.hooked():
                 inner.start_soon(trio.to_thread.run_sync, _raise_read_ahead, opts.mountpoint)
+            elif ops is not None:
+                # READs the fast path's read pool could not answer (a failed check).
+                inner.start_soon(fastpath.serve_handbacks, ops.read_errno)
             if fs.tierer is not None:
                 await inner.start(fs.tierer.run)
             if merged is not None:

@@ -7,10 +7,12 @@ Once installed it answers the kernel's GETXATTR("security.capability") for
 inodes `caps_absent` marked without entering the interpreter, counts every
 request by opcode, and says when the INIT reply has gone out. It also
 answers READs of files whose read table the reader published (`read_table`:
-chunkread.py's window of a file with no uncommitted changes) when every byte
-is in the page cache, without entering the interpreter; and READs of cold
-chunks the cold store has fetched and verified, from the cold table the
-reader publishes of them (`cold_publish`: native/ckptfs_coldtable.h).
+chunkread.py's window of a file with no uncommitted changes) without
+entering the interpreter: from the page cache on the trio thread, else on
+the C module's read pool threads, which hand a READ whose check fails back
+to the daemon (`serve_handbacks`); and READs of cold chunks the cold store
+has fetched and verified, from the cold table the reader publishes of them
+(`cold_publish`: native/ckptfs_coldtable.h).
 
 In a process that loaded pyfuse3 first (tests that import the adapter) the
 fast path cannot install itself: `hooked()` stays False and every request
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Awaitable, Callable, Optional
+
+import trio
 
 if TYPE_CHECKING:
     from ckptfs.native import ExtentTable
@@ -57,7 +61,7 @@ OPCODES = {
     48: "SETUPMAPPING", 49: "REMOVEMAPPING", 50: "SYNCFS", 51: "TMPFILE", 52: "STATX",
 }
 _N_OPCODES = 64
-_N_COUNTERS = _N_OPCODES + 7
+_N_COUNTERS = _N_OPCODES + 11
 
 
 def want(on: bool = True) -> None:
@@ -87,6 +91,15 @@ def caps_unknown(ino: int) -> None:
 _executor_given = False
 
 
+def _give_executor() -> None:
+    """The read executor's functions to the C module (which starts its read pool)."""
+    global _executor_given
+    if not _executor_given:
+        from ckptfs import native
+        lib.ckptfs_fuse_read_executor(*native.read_executor_addresses())
+        _executor_given = True
+
+
 def read_table(ino: int, log_fd: int, table: "ExtentTable", start: int, end: int
                ) -> bool:
     """READs of ino within file bytes [start, end) (end <= its size) are
@@ -94,19 +107,17 @@ def read_table(ino: int, log_fd: int, table: "ExtentTable", start: int, end: int
     index has it) until `read_forget(ino)`, which must come before the map,
     its chunks or the size change, and before table is dropped. False (and
     nothing registered) when the fast path is not on."""
-    global _executor_given
     if not hooked() or not hasattr(lib, "ckptfs_fuse_read_table"):
         return False        # off, or a _fusepath built before READs were answered in C
-    if not _executor_given:
-        from ckptfs import native
-        lib.ckptfs_fuse_read_executor(*native.read_executor_addresses())
-        _executor_given = True
+    _give_executor()
     ext, count, crcs, n_crcs = table.addresses()
     return lib.ckptfs_fuse_read_table(ino, log_fd, ext, count, crcs, n_crcs, start, end) == 0
 
 
 def read_forget(ino: int) -> None:
-    """READs of ino go to the daemon again."""
+    """READs of ino go to the daemon again. Returns once no READ of ino is
+    being read on the fast path's C threads (its retired tables' included):
+    the file's map, chunks or size may then change."""
     if lib is not None and hasattr(lib, "ckptfs_fuse_read_forget"):
         lib.ckptfs_fuse_read_forget(ino)
 
@@ -149,6 +160,45 @@ def _cold_counters() -> list[int]:
     return [int(x) for x in out]
 
 
+def read_retire(ino: int) -> None:
+    """A reader of ino moved on past its table (nothing about the file
+    changed): READs of ino go to the daemon until its next table. Does not
+    wait for the READs of it in flight; `read_forget` does."""
+    if lib is not None and hasattr(lib, "ckptfs_fuse_read_retire"):
+        lib.ckptfs_fuse_read_retire(ino)
+    else:
+        read_forget(ino)
+
+
+async def serve_handbacks(read: Callable[[int, int, int], Awaitable[tuple[int, bytes]]]
+                          ) -> None:
+    """Answer the READs the read pool handed back (a failed check or read on
+    a C thread: native/ckptfs_readpool.h) through the daemon's read path,
+    read(fh, off, size) -> (errno or 0, bytes), as if the fast path had never
+    seen them. Runs until cancelled; returns at once without a pool."""
+    if not hooked() or not hasattr(lib, "ckptfs_fuse_handback_fd"):
+        return
+    _give_executor()
+    wake_fd = lib.ckptfs_fuse_handback_fd()
+    if wake_fd < 0:
+        return
+    out = ffi.new("ckptfs_fuse_handback[]", 64)
+    async with trio.open_nursery() as nursery:
+        while True:
+            await trio.lowlevel.wait_readable(wake_fd)
+            for k in range(lib.ckptfs_fuse_handbacks(out, 64)):
+                hb = out[k]
+                nursery.start_soon(_answer_handback, read, int(hb.unique), int(hb.fh),
+                                   int(hb.offset), int(hb.size))
+
+
+async def _answer_handback(read: Callable[[int, int, int], Awaitable[tuple[int, bytes]]],
+                           unique: int, fh: int, off: int, size: int) -> None:
+    err, data = await read(fh, off, size)
+    with ffi.from_buffer(data) as buf:
+        lib.ckptfs_fuse_reply(unique, err, buf, 0 if err else len(data))
+
+
 def read_bytes() -> int:
     """File bytes the fast path has answered READs with (cold ones too). Any thread."""
     if lib is None:
@@ -165,14 +215,17 @@ def init_replied() -> bool:
 
 def stats() -> dict[str, object]:
     """For `ckptfs stat`: is the fast path on, the requests read from the kernel
-    since the mount by name, WRITE payload bytes, and the GETXATTRs answered
-    in C. Counted only while the fast path is on. Any thread."""
+    since the mount by name, WRITE payload bytes, the GETXATTRs and READs
+    answered in C (of those, READs read on the pool's threads), READs passed
+    on and handed back, and withdrawals that waited for the pool. Counted
+    only while the fast path is on. Any thread."""
     if lib is None:
         return {"fuse_fastpath": False, "fuse_requests": {}, "fuse_write_bytes": 0,
                 "fuse_getxattr_answered_in_c": 0, "fuse_read_answered_in_c": 0,
                 "fuse_read_bytes_in_c": 0, "fuse_read_passed_on": 0,
                 "fuse_cold_read_answered_in_c": 0, "fuse_cold_read_bytes_in_c": 0,
-                "fuse_cold_read_passed_on": 0}
+                "fuse_cold_read_passed_on": 0, "fuse_read_waited_in_c": 0,
+                "fuse_read_handed_back": 0, "fuse_read_withdrawals_waited": 0}
     cold = _cold_counters()
     out = ffi.new("uint64_t[]", _N_COUNTERS)
     lib.ckptfs_fuse_counters(out, _N_COUNTERS)
@@ -186,4 +239,7 @@ def stats() -> dict[str, object]:
             "fuse_read_bytes_in_c": int(out[_N_OPCODES + 5]),
             "fuse_read_passed_on": int(out[_N_OPCODES + 6]),
             "fuse_cold_read_answered_in_c": cold[0], "fuse_cold_read_bytes_in_c": cold[1],
-            "fuse_cold_read_passed_on": cold[2]}
+            "fuse_cold_read_passed_on": cold[2],
+            "fuse_read_waited_in_c": int(out[_N_OPCODES + 7]),
+            "fuse_read_handed_back": int(out[_N_OPCODES + 9]),
+            "fuse_read_withdrawals_waited": int(out[_N_OPCODES + 10])}

@@ -224,6 +224,14 @@ class CkptfsOperations(pyfuse3.Operations):
     async def read(self, fh, off, size):
         return await self.fs.read(fh, off, size)
 
+    async def read_errno(self, fh: int, off: int, size: int) -> tuple[int, bytes]:
+        """`read` for a READ answered outside pyfuse3 (the fast path's
+        handed-back READs, fastpath.serve_handbacks): (0, bytes) or (errno, b"")."""
+        try:
+            return 0, await self.read(fh, off, size)
+        except pyfuse3.FUSEError as e:
+            return e.errno, b""
+
     @_errno_edge
     async def write(self, fh, off, buf):
         return await self.fs.write(fh, off, buf)

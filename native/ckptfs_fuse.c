@@ -5,6 +5,7 @@
 #include <Python.h>     /* first, as Python asks: only to release the GIL while waiting */
 
 #include "ckptfs_fuse.h"
+#include "ckptfs_readpool.h"
 #include "ckptfs_readx.h"
 #include "ckptfs_coldtable_answer.h"
 
@@ -65,9 +66,7 @@ static const char CAPS_NAME[] = "security.capability";
 #define FP_HINT_SLACK (4ull << 20)
 #define FP_BLOCK_BYTES 65536ull        /* index.CRC_BLOCK_BYTES */
 
-typedef int (*fp_read_fn)(int, const ckptfs_rx_extent *, size_t, const uint8_t *, size_t,
-                          uint64_t, uint64_t, uint8_t *, size_t, uint8_t *, int,
-                          ckptfs_rx_error *);
+typedef rp_read_fn fp_read_fn;
 typedef size_t (*fp_hint_fn)(int, const ckptfs_rx_extent *, size_t, uint64_t, uint64_t);
 
 typedef struct {
@@ -80,6 +79,8 @@ typedef struct {
     uint64_t start, end;
     uint64_t read_to, hinted_to;    /* where the last read ended, hints asked up to */
     uint64_t age;                   /* when it was made: the oldest goes first */
+    int active;                     /* 0: retired (a reader moved on), READs go to the daemon */
+    unsigned inflight;              /* the file's READs queued or read in the pool (its lock) */
 } fp_table;
 
 static fp_table tables[FP_READ_SLOTS];
@@ -92,6 +93,7 @@ static uint64_t counters[FP_COUNTERS];
 static uint64_t caps_absent[FP_SLOTS];
 static int wanted;
 static int hooked;
+static int session_fd = -1;         /* the FUSE fd, once the fast path is on it */
 static int init_seen;
 static uint64_t init_unique;
 static int init_replied;
@@ -142,6 +144,23 @@ void ckptfs_fuse_read_executor(uintptr_t read_fn, uintptr_t hint_fn)
 {
     read_extents = (fp_read_fn)read_fn;
     hint_extents = (fp_hint_fn)hint_fn;
+    /* Without threads, a READ that is not cached goes to the daemon as before. */
+    rp_start(read_extents);
+}
+
+/* No READ of t's file is queued or reading in the pool any more.  On the
+ * trio thread, the only one that submits, so none is queued meanwhile; the
+ * GIL is released while waiting for the reads in flight. */
+static void quiesce(fp_table *t)
+{
+    if (!rp_busy(&t->inflight))
+        return;                 /* (handing the GIL to another thread could cost ms) */
+    PyThreadState *saved = NULL;
+    if (Py_IsInitialized() && PyGILState_Check())
+        saved = PyEval_SaveThread();
+    rp_quiesce(&t->inflight);
+    if (saved != NULL)
+        PyEval_RestoreThread(saved);
 }
 
 static fp_table *table_of(uint64_t ino)
@@ -169,22 +188,37 @@ int ckptfs_fuse_read_table(uint64_t ino, int log_fd, uintptr_t ext, size_t n, ui
         for (size_t i = 0; i < FP_READ_SLOTS && t->ino != 0; i++)
             if (tables[i].ino == 0 || tables[i].age < t->age)
                 t = &tables[i];
+        quiesce(t);             /* the slot's count fences another file's reads */
     }
-    /* A sequential reader moving on to its next window keeps its place. */
+    /* A sequential reader moving on to its next window keeps its place, and
+     * its reads in the pool stay counted (the jobs carry their own copies). */
     uint64_t read_to = t->ino == ino ? t->read_to : 0;
     uint64_t hinted_to = t->ino == ino ? t->hinted_to : 0;
     *t = (fp_table){.ino = ino, .fd = log_fd, .ext = (const ckptfs_rx_extent *)ext, .n = n,
                     .crcs = (const uint8_t *)crcs, .n_crcs = n_crcs, .start = start,
                     .end = end, .read_to = read_to, .hinted_to = hinted_to,
-                    .age = ++table_clock};
+                    .age = ++table_clock, .active = 1, .inflight = t->inflight};
     return 0;
+}
+
+void ckptfs_fuse_read_retire(uint64_t ino)
+{
+    fp_table *t = table_of(ino);
+    if (t != NULL && ino != 0) {
+        t->active = 0;
+        t->ext = NULL;
+        t->crcs = NULL;
+        t->n = t->n_crcs = 0;
+    }
 }
 
 void ckptfs_fuse_read_forget(uint64_t ino)
 {
     fp_table *t = table_of(ino);
-    if (t != NULL && ino != 0)
+    if (t != NULL && ino != 0) {
+        quiesce(t);
         memset(t, 0, sizeof *t);
+    }
 }
 
 int ckptfs_fuse_init_replied(void)
@@ -194,10 +228,53 @@ int ckptfs_fuse_init_replied(void)
 
 void ckptfs_fuse_counters(uint64_t *out, size_t n)
 {
-    if (n > FP_COUNTERS)
-        n = FP_COUNTERS;
-    for (size_t i = 0; i < n; i++)
-        out[i] = __atomic_load_n(&counters[i], __ATOMIC_RELAXED);
+    uint64_t all[FP_COUNTERS + 4];
+    for (size_t i = 0; i < FP_COUNTERS; i++)
+        all[i] = __atomic_load_n(&counters[i], __ATOMIC_RELAXED);
+    uint64_t pool_reads, pool_bytes, handed_back, waits;
+    rp_counters(&pool_reads, &pool_bytes, &handed_back, &waits);
+    all[FP_FAST_READS] += pool_reads;
+    all[FP_FAST_READ_BYTES] += pool_bytes;
+    all[FP_READS_PASSED] += handed_back;
+    all[FP_COUNTERS] = pool_reads;
+    all[FP_COUNTERS + 1] = pool_bytes;
+    all[FP_COUNTERS + 2] = handed_back;
+    all[FP_COUNTERS + 3] = waits;
+    if (n > FP_COUNTERS + 4)
+        n = FP_COUNTERS + 4;
+    memcpy(out, all, n * sizeof *out);
+}
+
+int ckptfs_fuse_handback_fd(void)
+{
+    return rp_handback_fd();
+}
+
+size_t ckptfs_fuse_handbacks(ckptfs_fuse_handback *out, size_t n)
+{
+    rp_handback got[64];
+    size_t k = rp_handbacks(got, n < 64 ? n : 64);
+    for (size_t i = 0; i < k; i++)
+        out[i] = (ckptfs_fuse_handback){.unique = got[i].unique, .nodeid = got[i].nodeid,
+                                        .fh = got[i].fh, .offset = got[i].offset,
+                                        .size = got[i].size, .kind = got[i].kind};
+    return k;
+}
+
+int ckptfs_fuse_reply(uint64_t unique, int error, const uint8_t *data, size_t len)
+{
+    if (session_fd < 0)
+        return -EBADF;
+    if (error != 0)
+        len = 0;
+    struct fuse_out_header out = {
+        .len = (uint32_t)(sizeof out + len), .error = error > 0 ? -error : error,
+        .unique = unique};
+    struct iovec iov[2] = {{.iov_base = &out, .iov_len = sizeof out},
+                           {.iov_base = (void *)data, .iov_len = len}};
+    ssize_t w = writev(session_fd, iov, len ? 2 : 1);
+    /* ENOENT: interrupted meanwhile, nobody waits for it. */
+    return w < 0 && errno != ENOENT ? -errno : 0;
 }
 
 /* A GETXATTR of security.capability for an inode marked as having none? */
@@ -255,6 +332,41 @@ static void hint_ahead(fp_table *t, uint64_t off, uint64_t end)
         hint_extents(t->fd, t->ext, t->n, from, to - from);
 }
 
+/* Queue a READ of extents [first, first + count) of t to the read pool, with
+ * copies of those extents and their chunks' CRCs: 1 queued, 0 not (too many
+ * extents or CRCs for a job, a CRC index outside the table, the pool's
+ * queue full). */
+static int submit(int fd, const struct fuse_in_header *in, const struct fuse_read_in *rd,
+                  fp_table *t, size_t first, size_t count)
+{
+    static rp_job job;          /* trio thread only; 10 KiB, so not on its stack */
+    if (count > RP_EXT_MAX)
+        return 0;
+    size_t n_crcs = 0;
+    for (size_t i = 0; i < count; i++) {
+        ckptfs_rx_extent e = t->ext[first + i];
+        uint64_t blocks = e.chunk_len / FP_BLOCK_BYTES + (e.chunk_len % FP_BLOCK_BYTES != 0);
+        if (e.crc_at > t->n_crcs || blocks > t->n_crcs - e.crc_at
+                || blocks > RP_CRC_MAX - n_crcs)
+            return 0;
+        memcpy(job.crcs + 4 * n_crcs, t->crcs + 4 * e.crc_at, (size_t)(4 * blocks));
+        e.crc_at = n_crcs;
+        n_crcs += (size_t)blocks;
+        job.ext[i] = e;
+    }
+    job.fuse_fd = fd;
+    job.unique = in->unique;
+    job.nodeid = in->nodeid;
+    job.fh = rd->fh;
+    job.offset = rd->offset;
+    job.size = rd->size;
+    job.log_fd = t->fd;
+    job.n = count;
+    job.n_crcs = n_crcs;
+    job.inflight = &t->inflight;
+    return rp_submit(&job);
+}
+
 /* Answer a READ from its file's read table: 1 answered, 0 for the daemon
  * (no table, outside it, not in the page cache, a failed check), -1 the
  * session ended. */
@@ -264,7 +376,7 @@ static int answer_read(int fd, const struct fuse_in_header *in, size_t len)
         return 0;
     const struct fuse_read_in *rd = (const struct fuse_read_in *)(in + 1);
     fp_table *t = table_of(in->nodeid);
-    if (t == NULL || in->nodeid == 0 || read_extents == NULL)
+    if (t == NULL || in->nodeid == 0 || read_extents == NULL || !t->active)
         /* Not a log window: maybe cold chunks already fetched and verified. */
         return ckptfs_cold_answer(fd, in->nodeid, in->unique, rd->offset, rd->size);
     uint64_t off = rd->offset, size = rd->size;
@@ -294,6 +406,12 @@ static int answer_read(int fd, const struct fuse_in_header *in, size_t len)
     int e = errno;
     if (saved != NULL)
         PyEval_RestoreThread(saved);
+    if (rc != 0 && err.kind == 5) {
+        /* Not in the page cache: a pool thread waits for the disk, checks
+         * and answers it (ckptfs_readpool.h), and this one goes on. */
+        if (submit(fd, in, rd, t, first, count))
+            return 1;
+    }
     if (rc != 0) {
         bump(FP_READS_PASSED, 1);
         return 0;
@@ -426,6 +544,29 @@ int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
         fcntl(fd, F_SETFL, flags);
         return 0;
     }
+    session_fd = fd;
     __atomic_store_n(&hooked, 1, __ATOMIC_RELAXED);
     return 0;
+}
+
+/* Stand in for libfuse's too (pyfuse3.close calls them, in this order):
+ * the read pool's threads finish and are joined before the FUSE fd closes,
+ * and before the daemon closes the log and frees the tables' memory. */
+void fuse_session_unmount(struct fuse_session *se)
+{
+    void (*real)(struct fuse_session *) =
+        (void (*)(struct fuse_session *))dlsym(RTLD_NEXT, "fuse_session_unmount");
+    rp_stop();
+    if (real != NULL)
+        real(se);
+}
+
+void fuse_session_destroy(struct fuse_session *se)
+{
+    void (*real)(struct fuse_session *) =
+        (void (*)(struct fuse_session *))dlsym(RTLD_NEXT, "fuse_session_destroy");
+    rp_stop();
+    session_fd = -1;
+    if (real != NULL)
+        real(se);
 }

@@ -25,9 +25,13 @@
  *    for is in the table and in the page cache: the read executor
  *    (ckptfs_readx.c, given by address: ckptfs_fuse_read_executor) fills a
  *    reply buffer, every block CRC-checked, and the reply is written here,
- *    with the GIL released.  Anything else (a byte not cached, a check that
- *    fails, a range outside the table) goes to libfuse, and the daemon's
- *    read path does it as before (a failed check is EIO there);
+ *    with the GIL released.  A READ inside the table whose bytes are not in
+ *    the page cache goes to the read pool (ckptfs_readpool.h: C threads
+ *    that wait for the disk and answer it; ckptfs_fuse_read_forget waits
+ *    for the file's READs there first).  Anything else (a check that
+ *    fails, a range outside the table, the pool's queue full) goes to
+ *    libfuse, and the daemon's read path does it as before (a failed check
+ *    is EIO there);
  *  - for a file with no such table, asks its cold table
  *    (ckptfs_coldtable.h: cold chunks fetched and verified, answered from
  *    the cold cache's memory);
@@ -36,8 +40,10 @@
  * raises it only after (ckptfs_fuse_init_replied).
  *
  * Everything runs on the thread that reads the FUSE fd (pyfuse3's trio
- * thread), and so do the mark/unmark calls; the counters are read from any
- * thread with relaxed atomics. */
+ * thread), and so do the mark/unmark calls and the table calls, except the
+ * read pool's threads; the counters are read from any thread with relaxed
+ * atomics.  This module also stands in for fuse_session_unmount and
+ * fuse_session_destroy: the pool's threads finish and are joined first. */
 #ifndef CKPTFS_FUSE_H
 #define CKPTFS_FUSE_H
 
@@ -77,7 +83,16 @@ void ckptfs_fuse_read_executor(uintptr_t read_extents, uintptr_t hint_extents);
 int ckptfs_fuse_read_table(uint64_t ino, int log_fd, uintptr_t ext, size_t n, uintptr_t crcs,
                            size_t n_crcs, uint64_t start, uint64_t end);
 
-/* READs of ino go to the daemon again (no-op if it has no table). */
+/* A reader of ino moves on: READs of ino go to the daemon until its next
+ * table, nothing about the file changed.  Does not wait: the read pool's
+ * jobs carry copies of what they read with and stay counted for ino; the
+ * table's memory may go once this returns. */
+void ckptfs_fuse_read_retire(uint64_t ino);
+
+/* READs of ino go to the daemon again (no-op if it has no table).  Returns
+ * once no READ of ino is queued or being read on the read pool's threads
+ * (GIL released while it waits), its retired tables' included: the caller
+ * may then change what the tables named and free their memory. */
 void ckptfs_fuse_read_forget(uint64_t ino);
 
 /* 1 once libfuse has sent the reply to the kernel's INIT request. */
@@ -87,9 +102,37 @@ int ckptfs_fuse_init_replied(void);
  * opcode i (FUSE_* of linux/fuse.h) that were read; out[64] the requests with
  * a larger opcode; out[65] the WRITE payload bytes; out[66] the GETXATTRs
  * answered here; out[67] the reads that found nothing waiting; out[68] the
- * READs answered here, out[69] their bytes; out[70] READs of a file with a
- * table that went to the daemon (not cached, outside the table, a failed
- * check).  n <= 71. */
+ * READs answered in C (here or on the read pool's threads), out[69] their
+ * bytes; out[70] READs of a file with a table that went to the daemon
+ * (outside the table, a failed check, the pool's queue full, handed back);
+ * out[71] and out[72] the READs the pool answered and their bytes; out[73]
+ * the READs it handed back; out[74] the withdrawals of a table that waited
+ * for its reads in the pool.  n <= 75. */
 void ckptfs_fuse_counters(uint64_t *out, size_t n);
+
+/* A READ of a published table that missed the page cache goes to the read
+ * pool (ckptfs_readpool.h: a few C threads that wait for the disk, check
+ * every block and answer).  One that fails there (a CRC that does not
+ * match, a read error) is handed back to the daemon: the fd below turns
+ * readable, ckptfs_fuse_handbacks takes them, and the daemon reads each
+ * through its own path and answers with ckptfs_fuse_reply. */
+typedef struct {
+    uint64_t unique;
+    uint64_t nodeid;
+    uint64_t fh;
+    uint64_t offset;
+    uint32_t size;
+    int32_t kind;       /* why the pool gave up: ckptfs_rx_error.kind */
+} ckptfs_fuse_handback;
+
+/* The eventfd readable when READs were handed back; -1 without a pool. */
+int ckptfs_fuse_handback_fd(void);
+
+/* Up to n (at most 64) handed-back READs into out: how many. */
+size_t ckptfs_fuse_handbacks(ckptfs_fuse_handback *out, size_t n);
+
+/* Reply to request unique: len bytes of data, or error (an errno, > 0).
+ * 0, or -errno of the write (an interrupted request is 0). */
+int ckptfs_fuse_reply(uint64_t unique, int error, const uint8_t *data, size_t len);
 
 #endif

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import subprocess
 
 import pytest
 
@@ -141,6 +142,276 @@ def test_uncommitted_change_is_read_not_the_published_window(make_mount, fsck_cl
     try:
         drop_pages(fd)
         assert pread_all(fd, 6 * MiB, 0) == want
+    finally:
+        os.close(fd)
+    check_clean(fsck_clean, m)
+
+
+# ---------------------------------------------------------------- the read pool
+# READs of a published window whose log bytes are not in the page cache are
+# read, checked and answered on the fast path's C threads (native/
+# ckptfs_readpool.h), not in Python.
+
+def drop_log_pages(m) -> None:
+    """The log's pages leave the page cache: the next READs miss it."""
+    fd = os.open(m.source / ".ckptfs" / "pmem.log", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_page_cache_misses_are_answered_on_c_threads(make_mount):
+    m = make_mount(options=["pmem_size=256M"], over_itself=False)
+    want = rand(40 * MiB + 4321, 11)
+    (m.path / "f").write_bytes(want)
+    m.remount()
+    drop_log_pages(m)
+    before = m.stat()
+    fd = os.open(m.path / "f", os.O_RDONLY)
+    try:
+        assert pread_all(fd, len(want), 0) == want
+        rng = random.Random(12)
+        for _ in range(30):
+            drop_pages(fd)
+            drop_log_pages(m)
+            off = rng.randrange(len(want))
+            n = rng.randrange(1, 2 * MiB)
+            assert os.pread(fd, n, off) == want[off:off + n], (off, n)
+    finally:
+        os.close(fd)
+    after = m.stat()
+    assert after["fuse_read_waited_in_c"] > before["fuse_read_waited_in_c"], \
+        "no READ that missed the page cache was answered on the read pool's threads"
+    assert after["fuse_read_handed_back"] == 0
+    assert after["errors"] == {}
+    m.umount()
+
+
+def test_damaged_block_read_on_a_c_thread_is_eio(make_mount):
+    m = make_mount(options=["pmem_size=64M"], over_itself=False)
+    data = rand(8 * MiB, 13)
+    (m.path / "f").write_bytes(data)
+    m.umount()
+    flip_log_bit(m.source, "f", 6 * MiB + 777)
+    m.start()
+    fd = os.open(m.path / "f", os.O_RDONLY)
+    try:
+        assert os.pread(fd, MiB, 0) == data[:MiB]       # publishes the window
+        for _ in range(5):
+            before = m.stat()["fuse_read_waited_in_c"]
+            drop_pages(fd)
+            drop_log_pages(m)
+            assert os.pread(fd, MiB, 2 * MiB) == data[2 * MiB:3 * MiB]
+            if m.stat()["fuse_read_waited_in_c"] > before:
+                break
+        else:
+            raise AssertionError("the read pool never answered a READ of the window")
+        drop_pages(fd)
+        drop_log_pages(m)
+        with pytest.raises(OSError) as err:
+            os.pread(fd, MiB, 6 * MiB)
+        assert err.value.errno == errno.EIO
+        stats = m.stat()
+        # Handed back to the daemon's read path, which found the damage too.
+        assert stats["fuse_read_handed_back"] >= 1
+        assert stats["errors"].get("DamagedData", 0) >= 1
+        drop_pages(fd)
+        drop_log_pages(m)
+        assert os.pread(fd, MiB, 4 * MiB) == data[4 * MiB:5 * MiB]
+    finally:
+        os.close(fd)
+    m.umount()
+
+
+PAGE = 4096
+WORD_INDEX_BITS = 40
+
+
+def versioned(version: int, n_pages: int) -> bytes:
+    """A file version whose every 8-byte word names its version and its place."""
+    import numpy as np
+
+    n_words = n_pages * PAGE // 8
+    return ((np.uint64(version) << np.uint64(WORD_INDEX_BITS))
+            | np.arange(n_words, dtype=np.uint64)).astype("<u8").tobytes()
+
+
+def check_words(got: bytes, off: int, newest: int) -> None:
+    """Each word read is zero (truncated) or the word at its place of some
+    version written. Checked per word, not per page: a read racing a write
+    through the kernel's page cache may see a page half written, which Linux
+    allows; a read of reused or wrong log space names another place or none."""
+    import numpy as np
+
+    assert off % 8 == 0 and len(got) % 8 == 0
+    words = np.frombuffer(got, dtype="<u8")
+    place = np.arange(off // 8, off // 8 + len(words), dtype=np.uint64)
+    mask = np.uint64((1 << WORD_INDEX_BITS) - 1)
+    ok = (words == 0) | (((words & mask) == place)
+                         & ((words >> np.uint64(WORD_INDEX_BITS)) <= np.uint64(newest)))
+    if not ok.all():
+        bad = int(np.argmin(ok))
+        raise AssertionError(f"word at byte {off + 8 * bad}: {int(words[bad]):#x}")
+
+
+def test_withdrawal_waits_for_reads_on_c_threads(make_mount, fsck_clean):
+    """Readers keep the read pool busy while the file is rewritten, truncated,
+    replaced and other files come and go in a small log (its space reused at
+    once): every word read is one a version of the file held there."""
+    import threading
+
+    m = make_mount(options=["pmem_size=96M", "dedup=off"], over_itself=False)
+    n_pages = 8 * MiB // PAGE
+    (m.path / "f").write_bytes(versioned(0, n_pages))
+    stop = threading.Event()
+    newest = [0]
+    failures: list[BaseException] = []
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            while not stop.is_set():
+                try:
+                    fd = os.open(m.path / "f", os.O_RDONLY)
+                except FileNotFoundError:
+                    continue            # between the unlink and the rename
+                try:
+                    drop_pages(fd)
+                    drop_log_pages(m)
+                    off = rng.randrange(n_pages) * PAGE
+                    got = os.pread(fd, rng.choice([MiB, 256 << 10, 3 * MiB]), off)
+                    check_words(got, off, newest[0] + 1)
+                finally:
+                    os.close(fd)
+        except BaseException as e:     # reported by the test's thread
+            failures.append(e)
+            stop.set()
+
+    readers = [threading.Thread(target=reader, args=(s,)) for s in range(3)]
+    for t in readers:
+        t.start()
+    try:
+        rng = random.Random(14)
+        for version in range(1, 25):
+            if stop.is_set():
+                break
+            newest[0] = version
+            how = version % 3
+            data = versioned(version, n_pages)
+            if how == 0:                    # rewritten in place
+                fd = os.open(m.path / "f", os.O_WRONLY)
+                try:
+                    os.pwrite(fd, data, 0)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            elif how == 1:                  # truncated, then written again
+                fd = os.open(m.path / "f", os.O_WRONLY | os.O_TRUNC)
+                try:
+                    os.pwrite(fd, data[:rng.randrange(1, n_pages) * PAGE], 0)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            else:                           # replaced by a new file
+                (m.path / "g").write_bytes(data)
+                os.rename(m.path / "g", m.path / "f")
+            # Another file written and deleted: the freed space is reused.
+            (m.path / "junk").write_bytes(rand(16 * MiB, 100 + version))
+            os.unlink(m.path / "junk")
+            m.sync()
+    finally:
+        stop.set()
+        for t in readers:
+            t.join(60)
+    if failures:
+        raise failures[0]
+    stats = m.stat()
+    assert stats["fuse_read_waited_in_c"] > 0
+    # A read of reused space would fail its CRCs and be handed back (the
+    # daemon then reads it right): none may have been.
+    assert stats["fuse_read_handed_back"] == 0
+    assert stats["errors"] == {}, stats["errors"]
+    check_clean(fsck_clean, m)
+
+
+@pytest.mark.parametrize("how", ["umount", "sigkill"])
+def test_session_end_with_reads_on_c_threads(make_mount, fsck_clean, how):
+    """The daemon goes (a clean unmount, or SIGKILL) while readers keep the
+    read pool busy: the unmount is prompt and clean, the readers get bytes
+    or an error, never wrong bytes, and the data is whole after."""
+    import threading
+    import time
+
+    m = make_mount(options=["pmem_size=128M"], over_itself=False)
+    want = rand(24 * MiB, 15)
+    (m.path / "f").write_bytes(want)
+    m.remount()
+    stop = threading.Event()
+    wrong: list[str] = []
+    answered = [0]
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            fd = os.open(m.path / "f", os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            while not stop.is_set():
+                try:
+                    drop_pages(fd)
+                    drop_log_pages(m)
+                    off = rng.randrange(len(want) - MiB)
+                    got = os.pread(fd, MiB, off)
+                except OSError:
+                    break           # the mount went
+                if got != want[off:off + len(got)]:
+                    wrong.append(f"{len(got)} bytes at {off}")
+                answered[0] += 1
+        finally:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    readers = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+    for t in readers:
+        t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while m.stat()["fuse_read_waited_in_c"] < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert m.stat()["fuse_read_waited_in_c"] >= 20, "the read pool was never busy"
+        if how == "umount":
+            pid = m.pid
+            t0 = time.monotonic()
+            # Lazy: the readers' open files keep the connection until they stop.
+            subprocess.run(["fusermount3", "-u", "-z", str(m.path)], check=True)
+            stop.set()
+            for t in readers:
+                t.join(30)
+            while os.path.exists(f"/proc/{pid}") and time.monotonic() - t0 < 30:
+                time.sleep(0.02)
+            assert not os.path.exists(f"/proc/{pid}"), "the daemon did not exit"
+            m.pid = None
+        else:
+            m.kill(detach=False)
+            stop.set()
+            for t in readers:
+                t.join(30)
+            m.detach()
+    finally:
+        stop.set()
+        for t in readers:
+            t.join(30)
+    assert not wrong, wrong[:5]
+    assert not any(t.is_alive() for t in readers)
+    m.start()
+    fd = os.open(m.path / "f", os.O_RDONLY)
+    try:
+        drop_pages(fd)
+        assert pread_all(fd, len(want), 0) == want
     finally:
         os.close(fd)
     check_clean(fsck_clean, m)
