@@ -191,13 +191,21 @@ int ckptfs_fuse_read_table(uint64_t ino, int log_fd, uintptr_t ext, size_t n, ui
         quiesce(t);             /* the slot's count fences another file's reads */
     }
     /* A sequential reader moving on to its next window keeps its place, and
-     * its reads in the pool stay counted (the jobs carry their own copies). */
-    uint64_t read_to = t->ino == ino ? t->read_to : 0;
-    uint64_t hinted_to = t->ino == ino ? t->hinted_to : 0;
-    *t = (fp_table){.ino = ino, .fd = log_fd, .ext = (const ckptfs_rx_extent *)ext, .n = n,
-                    .crcs = (const uint8_t *)crcs, .n_crcs = n_crcs, .start = start,
-                    .end = end, .read_to = read_to, .hinted_to = hinted_to,
-                    .age = ++table_clock, .active = 1, .inflight = t->inflight};
+     * its reads in the pool stay counted (the jobs carry their own copies):
+     * field by field, since inflight is the pool's, changed under its lock. */
+    if (t->ino != ino) {
+        t->read_to = t->hinted_to = 0;
+        t->ino = ino;
+    }
+    t->fd = log_fd;
+    t->ext = (const ckptfs_rx_extent *)ext;
+    t->n = n;
+    t->crcs = (const uint8_t *)crcs;
+    t->n_crcs = n_crcs;
+    t->start = start;
+    t->end = end;
+    t->age = ++table_clock;
+    t->active = 1;
     return 0;
 }
 
@@ -216,7 +224,7 @@ void ckptfs_fuse_read_forget(uint64_t ino)
 {
     fp_table *t = table_of(ino);
     if (t != NULL && ino != 0) {
-        quiesce(t);
+        quiesce(t);             /* then inflight is 0 and no job can raise it */
         memset(t, 0, sizeof *t);
     }
 }
