@@ -51,8 +51,8 @@ worker thread. `read_blocking_into` may block; the rest runs on the trio thread.
 from __future__ import annotations
 
 import sys
-from collections import deque
 from bisect import bisect_left, bisect_right
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
