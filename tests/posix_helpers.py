@@ -111,6 +111,22 @@ def pattern(n: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
+def pread_all(fd: int, n: int, off: int, step: int = 1 << 20) -> bytes:
+    """n bytes of fd from off, in preads of step bytes (fewer at its end)."""
+    out = bytearray()
+    while len(out) < n:
+        got = os.pread(fd, min(step, n - len(out)), off + len(out))
+        if not got:
+            break
+        out += got
+    return bytes(out)
+
+
+def drop_pages(fd: int) -> None:
+    """The next reads of fd go to the daemon, not the kernel's page cache."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def wait_for(pred: Callable[[], bool], timeout_s: float = 10.0, step_s: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -193,6 +193,13 @@ class LocalBackend(Backend):
             return None
         return parse_marker(raw, self.url)
 
+    def _blob_parent(self, name: str) -> InvalidArgument:
+        """ENOTDIR below name: one of its parents is a blob (once the store is
+        known to be there: a vanished store says so instead)."""
+        self._verify_marker()
+        return InvalidArgument(f"{self.url}: {name}: a parent of this name is a blob "
+                               "(a name cannot be both a blob and a prefix)")
+
     def _verify_marker(self) -> uuidlib.UUID:
         try:
             found = self._read_marker()
@@ -279,9 +286,7 @@ class LocalBackend(Backend):
                 self._makedirs(rel_dir)
         except OSError as e:
             if e.errno == errno.ENOTDIR:
-                self._verify_marker()
-                raise InvalidArgument(f"{self.url}: {name}: a parent of this name is a blob "
-                                      "(a name cannot be both a blob and a prefix)") from e
+                raise self._blob_parent(name) from e
             raise self._os_error(e, "mkdir", name) from e
         try:
             is_dir = os.path.isdir(path)
@@ -715,9 +720,7 @@ class _LocalBatch(BlobBatch):
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as e:
             if e.errno == errno.ENOTDIR:
-                backend._verify_marker()
-                raise InvalidArgument(f"{backend.url}: {name}: a parent of this name is a "
-                                      "blob (a name cannot be both a blob and a prefix)") from e
+                raise backend._blob_parent(name) from e
             raise backend._os_error(e, "create", name) from e
         try:
             mv = memoryview(data)

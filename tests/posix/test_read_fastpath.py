@@ -13,28 +13,13 @@ import subprocess
 
 import pytest
 
-from posix_helpers import check_clean, flip_log_bit, push_to_daemon
+from posix_helpers import check_clean, drop_pages, flip_log_bit, pread_all, push_to_daemon
 
 MiB = 1 << 20
 
 
 def rand(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
-
-
-def drop_pages(fd: int) -> None:
-    """The next reads of fd go to the daemon, not the kernel's page cache."""
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-def pread_all(fd: int, n: int, off: int, step: int = MiB) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        got = os.pread(fd, min(step, n - len(out)), off + len(out))
-        if not got:
-            break
-        out += got
-    return bytes(out)
 
 
 def answered_in_c(m) -> int:

@@ -19,7 +19,7 @@ from ckptfs.backing.local import LocalBackend
 from ckptfs.coldstore import SPAN_CLASS_BYTES, ColdStore
 from ckptfs.index import CHUNK_PACK, Chunk
 from mounting import run_ckptfs
-from posix_helpers import check_clean, read_file, wait_for, write_file
+from posix_helpers import check_clean, drop_pages, pread_all, read_file, wait_for, write_file
 
 MiB = 1 << 20
 
@@ -186,16 +186,6 @@ def cold_answered(m) -> int:
     return m.stat()["fuse_cold_read_answered_in_c"]
 
 
-def pread_all(fd: int, n: int, off: int, step: int = MiB) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        got = os.pread(fd, min(step, n - len(out)), off + len(out))
-        if not got:
-            break
-        out += got
-    return bytes(out)
-
-
 def test_cold_reads_answered_in_c_are_the_files_bytes(make_mount, fsck_clean):
     # READs of cold chunks the prefetcher fetched and verified are answered
     # by the fast path from the cold cache (native/ckptfs_coldtable.c): the
@@ -220,7 +210,7 @@ def test_cold_reads_answered_in_c_are_the_files_bytes(make_mount, fsck_clean):
         assert answered > 0, "no cold READ was answered by the fast path"
         rng = random.Random(8)
         for _ in range(60):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            drop_pages(fd)
             off = rng.randrange(len(want))
             n = rng.randrange(1, 3 * MiB)
             assert os.pread(fd, n, off) == want[off:off + n], (off, n)
@@ -252,7 +242,7 @@ def test_cold_reads_in_c_never_serve_evicted_stale_or_unlinked_bytes(make_mount,
         fd = os.open(m.path / name, os.O_RDONLY)
         try:
             for n in range(2):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                drop_pages(fd)
                 if pread_all(fd, len(want), 0) != want:
                     errors.append(f"{name}: pass {n} read other bytes")
         finally:
@@ -291,7 +281,7 @@ def test_cold_reads_in_c_never_serve_evicted_stale_or_unlinked_bytes(make_mount,
         try:
             while not stop.is_set():
                 fresh = written.is_set()
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                drop_pages(fd)
                 got = pread_all(fd, len(a), 0)
                 if got != after and (fresh or not old_or_new(got)):
                     errors.append(f"a read {'after' if fresh else 'during'} the write "
@@ -325,7 +315,7 @@ def test_cold_reads_in_c_never_serve_evicted_stale_or_unlinked_bytes(make_mount,
     # Unlinked while open: the reader still reads the file's bytes.
     fd = os.open(m.path / "b", os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        drop_pages(fd)
         assert pread_all(fd, 10 * MiB, 0) == b[:10 * MiB]
         os.unlink(m.path / "b")
         assert pread_all(fd, len(b) - 10 * MiB, 10 * MiB) == b[10 * MiB:]
