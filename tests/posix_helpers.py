@@ -127,6 +127,19 @@ def drop_pages(fd: int) -> None:
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+def check_random_reads(fd: int, want: bytes, seed: int, reads: int, max_bytes: int,
+                       before_each: Callable[[], None] = lambda: None) -> None:
+    """reads preads of fd at random offsets and lengths (1..max_bytes), each
+    after dropping its pages (and before_each()), equal to want's bytes there."""
+    rng = random.Random(seed)
+    for _ in range(reads):
+        drop_pages(fd)
+        before_each()
+        off = rng.randrange(len(want))
+        n = rng.randrange(1, max_bytes)
+        assert os.pread(fd, n, off) == want[off:off + n], (off, n)
+
+
 def wait_for(pred: Callable[[], bool], timeout_s: float = 10.0, step_s: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -13,7 +13,8 @@ import subprocess
 
 import pytest
 
-from posix_helpers import check_clean, drop_pages, flip_log_bit, pread_all, push_to_daemon
+from posix_helpers import (check_clean, check_random_reads, drop_pages, flip_log_bit, pread_all,
+                           push_to_daemon)
 
 MiB = 1 << 20
 
@@ -46,12 +47,7 @@ def test_reads_answered_in_c_are_the_files_bytes(make_mount, fsck_clean, dedup):
         assert pread_all(fd, len(want), 0) == want
         assert answered_in_c(m) > before, "no READ was answered by the fast path"
         # Again from the daemon, in pieces that begin and end anywhere.
-        rng = random.Random(7)
-        for _ in range(40):
-            drop_pages(fd)
-            off = rng.randrange(len(want))
-            n = rng.randrange(1, 3 * MiB)
-            assert os.pread(fd, n, off) == want[off:off + n], (off, n)
+        check_random_reads(fd, want, seed=7, reads=40, max_bytes=3 * MiB)
     finally:
         os.close(fd)
     stats = m.stat()
@@ -156,13 +152,8 @@ def test_page_cache_misses_are_answered_on_c_threads(make_mount):
     fd = os.open(m.path / "f", os.O_RDONLY)
     try:
         assert pread_all(fd, len(want), 0) == want
-        rng = random.Random(12)
-        for _ in range(30):
-            drop_pages(fd)
-            drop_log_pages(m)
-            off = rng.randrange(len(want))
-            n = rng.randrange(1, 2 * MiB)
-            assert os.pread(fd, n, off) == want[off:off + n], (off, n)
+        check_random_reads(fd, want, seed=12, reads=30, max_bytes=2 * MiB,
+                           before_each=lambda: drop_log_pages(m))
     finally:
         os.close(fd)
     after = m.stat()

@@ -19,7 +19,8 @@ from ckptfs.backing.local import LocalBackend
 from ckptfs.coldstore import SPAN_CLASS_BYTES, ColdStore
 from ckptfs.index import CHUNK_PACK, Chunk
 from mounting import run_ckptfs
-from posix_helpers import check_clean, drop_pages, pread_all, read_file, wait_for, write_file
+from posix_helpers import (check_clean, check_random_reads, drop_pages, pread_all, read_file,
+                           wait_for, write_file)
 
 MiB = 1 << 20
 
@@ -208,12 +209,7 @@ def test_cold_reads_answered_in_c_are_the_files_bytes(make_mount, fsck_clean):
         assert pread_all(fd, len(want), 0) == want
         answered = cold_answered(m)
         assert answered > 0, "no cold READ was answered by the fast path"
-        rng = random.Random(8)
-        for _ in range(60):
-            drop_pages(fd)
-            off = rng.randrange(len(want))
-            n = rng.randrange(1, 3 * MiB)
-            assert os.pread(fd, n, off) == want[off:off + n], (off, n)
+        check_random_reads(fd, want, seed=8, reads=60, max_bytes=3 * MiB)
     finally:
         os.close(fd)
     stats = m.stat()
