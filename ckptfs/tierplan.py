@@ -131,6 +131,7 @@ class VersionCatalog:
         self._dirty_dirs: set[int] = set()
         self._dirty_inos: set[int] = set()
         self._built_at: Optional[int] = None            # index.direct_writes when built
+        self._stale = False         # a file left where nothing says: build again
         # Watched from now on: whatever changes after this is read again.
         index.watch_maps(self._ino_changed, _no_chunk_watch)
         index.watch_entries(self._dir_changed)
@@ -149,7 +150,7 @@ class VersionCatalog:
     async def prepare(self) -> None:
         """Build the catalog if it is not, in a worker thread: the first pass
         after a mount reads every directory entry (~10 s per million files)."""
-        if self.built:
+        if self.built and not self._stale:
             return
         at = self.index.direct_writes
         # What is pending now may predate the watchers: make it durable, so the
@@ -188,6 +189,7 @@ class VersionCatalog:
         self._versions = {parent: self._group(parent, members, [])
                           for parent, members in files.items()}
         self._built_at = at
+        self._stale = False
 
     def _file_mtime(self, kv, ino: int) -> Optional[int]:
         """The mtime of a regular file, None for anything else or a damaged record."""
@@ -253,10 +255,9 @@ class VersionCatalog:
             inode = self._inode(ino)
             if inode is not None and inode.nlink > 0 and stat.S_ISREG(inode.mode):
                 # Its entry here went, one elsewhere stays, in a directory
-                # nothing told us about: read everything again.
-                self._built_at = None
-                self.build_now()
-                return
+                # nothing told us about: until the next `prepare` reads
+                # everything again (in a thread), plans go without it.
+                self._stale = True
         for parent in regroup:
             members = self._files.get(parent)
             if not members:

@@ -107,9 +107,43 @@ def test_the_catalog_follows_every_namespace_change(inproc, seed):
                 fs.link(rng.choice(files), new)
                 files.append(new)
 
+    async def prepare(fs) -> None:
+        await planner.prepare()         # as each pass does first
+
     for _ in range(8):
         fs.run(round_, mover=False)
+        planner.versions()              # a pass (what it cannot place, the next prepare reads)
+        fs.run(prepare, mover=False)
         assert shape(planner.versions()) == from_scratch(fs)
+
+
+def test_unlinking_one_name_of_a_linked_file_rebuilds_in_a_thread(inproc, monkeypatch):
+    """A file's entry goes from the directory it was grouped in, while another
+    entry elsewhere stays (nothing said which directory): the next prepare
+    reads everything again in a worker thread, not the plan on the trio thread."""
+    fs = inproc(["pmem_size=64M"])
+
+    async def linked(fs) -> None:
+        fs.mkdir("a")
+        fs.mkdir("z")
+        await fs.write_file("a/model", b"m" * 4096)
+        fs.link("a/model", "z/model")
+
+    fs.run(linked, mover=False)
+    planner = fs.fs.tierer.planner
+    planner.versions()
+    fs.unlink("a/model")
+    scans = count_calls(monkeypatch, "scan_entries")
+    planner.versions()                          # a plan now: no full read here
+    assert scans == []
+
+    async def prepare(fs) -> None:
+        await planner.prepare()
+
+    fs.run(prepare, mover=False)
+    assert len(scans) == 1
+    assert shape(planner.versions()) == from_scratch(fs)
+    assert [v.files for v in planner.versions()] == [[fs.lookup("z/model")]]
 
 
 def test_moved_versions_are_settled_and_not_walked_again(inproc, monkeypatch):
