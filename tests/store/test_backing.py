@@ -541,52 +541,51 @@ def test_list_and_delete(store):
     assert store.read("packs/ab/ab01.pack", 0, 5) == b"again"
 
 
+def run_threads(fn, n: int) -> None:
+    """fn(0) .. fn(n - 1) on n threads at once; what any of them raised fails the test."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            fn(i)
+        except BaseException as e:                       # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
 def test_concurrent_reads(store, harness):
     blobs = {f"packs/{i % 7:02x}/{i:04x}.pack": blob(64 * KIB + i * 977, seed=i)
              for i in range(24)}                           # more blobs than cached fds
     for n, d in blobs.items():
         put(store, n, d)
     names = sorted(blobs)
-    errors: list[BaseException] = []
 
     def reader(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            for _ in range(getattr(harness, "reads_per_thread", 400)):
-                n = rng.choice(names)
-                d = blobs[n]
-                off = rng.randrange(len(d))
-                length = rng.randrange(min(len(d) - off, 32 * KIB) + 1)
-                got = store.read(n, off, length)
-                assert got == d[off:off + length], (n, off, length)
-        except BaseException as e:                       # noqa: BLE001 - reported below
-            errors.append(e)
+        for _ in range(getattr(harness, "reads_per_thread", 400)):
+            n = rng.choice(names)
+            d = blobs[n]
+            off = rng.randrange(len(d))
+            length = rng.randrange(min(len(d) - off, 32 * KIB) + 1)
+            got = store.read(n, off, length)
+            assert got == d[off:off + length], (n, off, length)
 
-    threads = [threading.Thread(target=reader, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    run_threads(reader, 8)
 
 
 def test_concurrent_writers(store):
-    errors: list[BaseException] = []
-
     def writer(i: int) -> None:
-        try:
-            for j in range(10):
-                put(store, f"packs/{i:02x}/{j:04x}.pack", blob(10 * KIB, seed=i * 100 + j))
-                put(store, "manifests/shared.json", f"{i} {j}".encode())   # last one wins
-        except BaseException as e:                       # noqa: BLE001
-            errors.append(e)
+        for j in range(10):
+            put(store, f"packs/{i:02x}/{j:04x}.pack", blob(10 * KIB, seed=i * 100 + j))
+            put(store, "manifests/shared.json", f"{i} {j}".encode())   # last one wins
 
-    threads = [threading.Thread(target=writer, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    run_threads(writer, 6)
     assert len(store.list("packs/")) == 60
     for i in range(6):
         assert store.read(f"packs/{i:02x}/0009.pack", 0, 10 * KIB) == blob(10 * KIB, i * 100 + 9)
@@ -599,21 +598,11 @@ BATCH_NAMES = [f"objects/{i % 5:02x}/{i:064x}" for i in range(24)]
 
 def _put_batch(batch, names) -> None:
     """`put` from four threads at once, as the snapshot writer does."""
-    errors: list[BaseException] = []
-
     def putter(k: int) -> None:
-        try:
-            for n in names[k::4]:
-                batch.put(n, blob(300 + 7 * names.index(n), seed=names.index(n)))
-        except BaseException as e:                       # noqa: BLE001
-            errors.append(e)
+        for n in names[k::4]:
+            batch.put(n, blob(300 + 7 * names.index(n), seed=names.index(n)))
 
-    threads = [threading.Thread(target=putter, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    run_threads(putter, 4)
 
 
 def _absent_or_whole(backend: Backend, names) -> list[str]:
@@ -685,22 +674,13 @@ def test_create_once_race_has_one_winner(store, harness):
     clients = [harness.reopen(store) for _ in range(8)]
     start = threading.Barrier(len(clients))
     won: list[int] = []
-    errors: list[BaseException] = []
 
     def racer(i: int) -> None:
-        try:
-            start.wait()
-            if clients[i].create_once(name, f"holder {i} ".encode() * 100):
-                won.append(i)
-        except BaseException as e:                       # noqa: BLE001
-            errors.append(e)
+        start.wait()
+        if clients[i].create_once(name, f"holder {i} ".encode() * 100):
+            won.append(i)
 
-    threads = [threading.Thread(target=racer, args=(i,)) for i in range(len(clients))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    run_threads(racer, len(clients))
     assert len(won) == 1
     assert store.read(name, 0, store.size(name)) == f"holder {won[0]} ".encode() * 100
 
