@@ -300,6 +300,30 @@ class ChunkFeeder:
                 ffi.buffer(ids, 32)[:] if self.hashes else b"")
 
 
+def name_pieces(data: Buffer, offs: list[int], lens: list[int], crc_block: int,
+                hash_ids: bool = True) -> tuple[bytes, bytes, bytes]:
+    """Name each piece [offs[k], offs[k] + lens[k]) of ``data`` as one whole
+    chunk (``ckptfs_name_pieces``: for pieces no cut falls inside), in one C
+    call: a zero flag byte each, CRCs packed ``ChunkFeeder.CRC_BYTES`` apart
+    and, with hash_ids and ``chunk_feed_hashes()``, BLAKE3 ids packed 32 bytes apart
+    (zeros for a zero piece; else b"")."""
+    n = len(offs)
+    if n != len(lens):
+        raise ValueError("offs and lens differ in length")
+    if n == 0:
+        return b"", b"", b""
+    hashes = hash_ids and chunk_feed_hashes()
+    zero = _new_uninit("uint8_t[]", n)
+    crcs = _new_uninit("uint8_t[]", n * ChunkFeeder.CRC_BYTES)
+    ids = _new_uninit("uint8_t[]", n * 32) if hashes else ffi.NULL
+    with ffi.from_buffer(data) as buf:
+        if lib.ckptfs_name_pieces(buf, len(buf), offs, lens, n, crc_block, zero, crcs, ids):
+            raise ValueError(f"pieces outside [0, {len(buf)}), empty or over 16 CRC blocks "
+                             f"of {crc_block}")
+    return (ffi.buffer(zero, n)[:], ffi.buffer(crcs, n * ChunkFeeder.CRC_BYTES)[:],
+            ffi.buffer(ids, n * 32)[:] if hashes else b"")
+
+
 def chunk_feed_hashes() -> bool:
     """ChunkFeeder names chunks with BLAKE3 in C (built with the BLAKE3 library)."""
     return bool(lib.ckptfs_chunk_hashes())

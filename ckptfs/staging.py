@@ -42,7 +42,8 @@ from typing import Callable, Optional, TypeVar
 
 import trio
 
-from .chunker import MAX_CHUNK_BYTES, BatchChunker, NamedChunks
+from .chunker import (DEFAULT_MIN_SIZE, MAX_CHUNK_BYTES, BatchChunker, NamedChunks,
+                      name_whole_pieces)
 from .debugpause import pause_blocking, pausing_at
 from .dirtyfile import MAX_FILE_BYTES, DirtyFile
 from .errors import DamagedData, FileTooLarge
@@ -132,6 +133,14 @@ class ChunkBatch:
         self.staged_nos.extend([staged_no] * n)
         self.file_offs.extend([file_base + o for o in named.offsets])
         self.log_offs.extend([log_base + o for o in named.offsets])
+        self._add_names(named)
+
+    def add_pieces(self, named: NamedChunks, staged_nos: list[int], file_offs: list[int],
+                   log_offs: list[int]) -> None:
+        """Chunks named one per piece (`name_whole_pieces`), each piece's place given."""
+        self.staged_nos.extend(staged_nos)
+        self.file_offs.extend(file_offs)
+        self.log_offs.extend(log_offs)
         self._add_names(named)
 
     def _add_names(self, named: NamedChunks) -> None:
@@ -519,10 +528,30 @@ class WriteStager:
 
     def cut_blocking(self, ranges: list[tuple[int, int, int, int]]) -> ChunkBatch:
         """Cut staged ranges (staged no, file offset, length, log offset) into named
-        chunks: the commit-time path for bytes not cut as they streamed in. May block."""
+        chunks: the commit-time path for bytes not cut as they streamed in. May block.
+
+        A range shorter than the smallest chunk (a small rewrite) is one chunk
+        whatever its bytes: consecutive ones are read together (one read per
+        run adjacent in the log) and named in one native call, with no chunker
+        each. A range at offset 0 goes through a chunker (format hints may
+        cut it)."""
         batch = ChunkBatch()
-        buf = memoryview(bytearray(min(CUT_READ_BYTES, max(r[2] for r in ranges))))
-        for staged_no, file_off, length, log_off in ranges:
+        buf: Optional[memoryview] = None
+        k = 0
+        while k < len(ranges):
+            j, nbytes = k, 0
+            while j < len(ranges) and _whole_chunk(ranges[j]) \
+                    and nbytes + ranges[j][2] <= CUT_READ_BYTES:
+                nbytes += ranges[j][2]
+                j += 1
+            if j > k:
+                self._name_short_blocking(ranges[k:j], nbytes, batch)
+                k = j
+                continue
+            staged_no, file_off, length, log_off = ranges[k]
+            k += 1
+            if buf is None:
+                buf = memoryview(bytearray(min(CUT_READ_BYTES, max(r[2] for r in ranges))))
             chunker = BatchChunker(detect_format=file_off == 0)
             pos = 0
             while pos < length:
@@ -533,6 +562,25 @@ class WriteStager:
                 pos += n
             batch.add(chunker.finish_named(), staged_no, file_off, log_off)
         return batch
+
+    def _name_short_blocking(self, ranges: list[tuple[int, int, int, int]], nbytes: int,
+                             batch: ChunkBatch) -> None:
+        """`cut_blocking` of ranges that are each one chunk (`_whole_chunk`),
+        nbytes in all. May block."""
+        data = memoryview(bytearray(nbytes))
+        offs: list[int] = []
+        pos = run_pos = 0
+        run_log = ranges[0][3]
+        for _, _, length, log_off in ranges:
+            if log_off != run_log + (pos - run_pos):
+                self.log.read_unverified_into(data[run_pos:pos], run_log)
+                run_pos, run_log = pos, log_off
+            offs.append(pos)
+            pos += length
+        self.log.read_unverified_into(data[run_pos:pos], run_log)
+        named = name_whole_pieces(data, offs, [r[2] for r in ranges])
+        batch.add_pieces(named, [r[0] for r in ranges], [r[1] for r in ranges],
+                         [r[3] for r in ranges])
 
     # -------------------------------------------------------- storing once
 
@@ -630,6 +678,13 @@ class WriteStager:
                 else:
                     ranges.append((staged.chunk_no, e.file_off, e.length, log_off))
         return ranges
+
+
+def _whole_chunk(staged_range: tuple[int, int, int, int]) -> bool:
+    """A staged range (staged no, file offset, length, log offset) no cut
+    falls inside: shorter than the smallest chunk, and not at the file's
+    start (where format hints may force cuts)."""
+    return staged_range[2] < DEFAULT_MIN_SIZE and staged_range[1] > 0
 
 
 def _cut(pieces: list[tuple[int, int]], most: int) -> list[tuple[int, int]]:

@@ -815,6 +815,30 @@ size_t ckptfs_chunk_finish(ckptfs_chunk_state *st, size_t crc_block,
     return n;
 }
 
+int ckptfs_name_pieces(const void *buf, size_t len, const uint64_t *offs,
+                       const uint64_t *lens, size_t n, size_t crc_block,
+                       uint8_t *zero, uint8_t *crcs, uint8_t *ids)
+{
+    if (crc_block == 0)
+        return -1;
+    for (size_t k = 0; k < n; k++)
+        if (lens[k] == 0 || offs[k] > len || lens[k] > len - offs[k] ||
+            lens[k] > CKPTFS_CHUNK_MAX_CRCS * (uint64_t)crc_block)
+            return -1;
+    const unsigned char *p = buf;
+    ckptfs_chunk_state st;
+    memset(&st, 0, sizeof st);
+    for (size_t k = 0; k < n; k++) {
+        uint64_t length;
+        /* Each piece a stream of its own: absorbed whole, then emitted as
+         * ckptfs_chunk_finish would (the state starts clean for the next). */
+        chunk_absorb(&st, p + offs[k], lens[k], crc_block, ids != NULL);
+        chunk_emit(&st, crc_block, 0, &length, zero + k, crcs + 64 * k,
+                   ids ? ids + 32 * k : NULL);
+    }
+    return 0;
+}
+
 size_t ckptfs_find4(const void *buf, size_t len, const void *needle)
 {
     const unsigned char *p = buf, *q = needle;

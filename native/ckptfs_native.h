@@ -136,6 +136,18 @@ size_t ckptfs_chunk_finish(ckptfs_chunk_state *st, size_t crc_block,
                            uint64_t *lengths, uint8_t *zero, uint8_t *crcs,
                            uint8_t *ids);
 
+/* Name n pieces of buf, each as one whole chunk: what ckptfs_chunk_feed and
+ * ckptfs_chunk_finish give for a stream that is the piece alone when no cut
+ * falls inside it (a piece shorter than the minimum chunk size, no forced
+ * cut): zero[k], crcs[64k..] and, if ids is not NULL and
+ * ckptfs_chunk_hashes(), ids[32k..] as they describe.  Piece k is
+ * [offs[k], offs[k] + lens[k]).  One call for many small pieces (commit-time
+ * cutting of 4 KiB rewrites).  Returns 0, or -1 (touching nothing) when a
+ * piece is empty, lies outside buf or is longer than 16 * crc_block. */
+int ckptfs_name_pieces(const void *buf, size_t len, const uint64_t *offs,
+                       const uint64_t *lens, size_t n, size_t crc_block,
+                       uint8_t *zero, uint8_t *crcs, uint8_t *ids);
+
 /* Offset of the first occurrence of the 4-byte needle in buf, or len if there
  * is none.  SSE2; the format hint parser's search for zip data descriptors. */
 size_t ckptfs_find4(const void *buf, size_t len, const void *needle);

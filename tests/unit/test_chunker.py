@@ -24,6 +24,7 @@ from ckptfs.chunker import (
     Chunker,
     chunk_buffer,
     chunk_id,
+    name_whole_pieces,
 )
 
 MIB = 1 << 20
@@ -827,6 +828,45 @@ def test_batch_chunker_on_torch_save_stream(tmp_path: Path, hash_in_c: bool) -> 
                            random_pieces(random.Random(seed), (1, 2, 3, 31, 500, 8192)))
         assert chunker.format == "zip"
         assert got == _reference_named(raw, whole, 256)
+
+
+@pytest.mark.parametrize("hash_in_c", HASH_IN_C)
+def test_whole_pieces_named_as_a_batch_chunker_names_them(rng: random.Random,
+                                                          hash_in_c: bool) -> None:
+    """Pieces shorter than the smallest chunk, named in one native call: the
+    ids, CRCs and zero flags a BatchChunker fed each piece alone gives (the
+    commit-time cut of small rewrites, staging.py)."""
+    lens = [4096, 1, 63, 4097, DEFAULT_MIN_SIZE - 1, 4096, 100, 4096]
+    pieces = [rng.randbytes(n) for n in lens]
+    pieces[1] = bytes(1)
+    pieces[5] = bytes(4096)                 # zeros: a hole, no id
+    pieces[6] = bytes(99) + b"\x01"          # not zeros: the last byte counts
+    gap = b"\xff" * 5
+    data, offs = b"", []
+    for piece in pieces:
+        offs.append(len(data) + len(gap))
+        data += gap + piece
+    for crc_block in (64 * 1024, 16 * 1024):
+        named = name_whole_pieces(data, offs, lens, crc_block=crc_block, hash_in_c=hash_in_c)
+        assert named.offsets == offs and named.lengths == lens
+        for k, piece in enumerate(pieces):
+            chunker = BatchChunker(detect_format=False, crc_block=crc_block, hash_in_c=hash_in_c)
+            assert not chunker.feed_named(piece).offsets
+            want = chunker.finish_named()
+            assert want.lengths == [len(piece)]
+            assert (named.ids[k], named.crcs[k], named.zero[k]) == \
+                (want.ids[0], want.crcs[0], want.zero[0]), k
+    assert named.zero == [False, True, False, False, False, True, False, False]
+
+
+def test_whole_pieces_refuses_what_a_cut_may_fall_inside() -> None:
+    data = bytes(2 * DEFAULT_MIN_SIZE)
+    with pytest.raises(ValueError):
+        name_whole_pieces(data, [0], [DEFAULT_MIN_SIZE])
+    with pytest.raises(ValueError):
+        native.name_pieces(data, [len(data) - 10], [11], 64 * 1024)   # past the end
+    with pytest.raises(ValueError):
+        native.name_pieces(data, [0], [0], 64 * 1024)                 # empty
 
 
 def test_chunk_feeder_rejects_bad_forced_cuts() -> None:
