@@ -13,17 +13,21 @@ only). It may not write to the store nor touch the index: the records it is
 given say where each chunk is.
 
 `Prefetcher` fetches chunks into the cache in the background, about 1 MiB
-per worker-thread call, at most four calls at a time, from a nursery it runs in
-(`run`, started by whoever supervises the mount's background tasks); asked
-before it runs, or after, it does nothing. It runs on the trio thread.
+at a time, in the order asked, on fetch threads of its own that run while
+`run` does (started by whoever supervises the mount's background tasks);
+asked before it runs, or after, it does nothing. A fetch thread never waits
+for the trio thread: it tells it what it fetched (for the READs answered in
+C) and takes the next batch. `prefetch` and what it is told run on the trio
+thread.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Callable, Optional
 
 import trio
@@ -36,8 +40,10 @@ from .chunker import chunk_id
 from .errors import CkptfsError, DamagedData
 from .index import CHUNK_PACK, Chunk
 
+log = logging.getLogger(__name__)
+
 PREFETCH_BATCH_BYTES = 1 << 20   # cold chunk bytes per prefetch call
-PREFETCH_THREADS = 4             # prefetch calls running at once
+PREFETCH_THREADS = 4             # fetch threads
 # A reader whose last look-ahead is older than this no longer shares the cache.
 READER_IDLE_S = 2.0
 MIN_DEPTH_BYTES = 4 << 20        # the least a reader is read ahead, however many share
@@ -164,6 +170,23 @@ class ColdStore:
                     mine.append(c)
         if mine:
             self._fetch_claimed(mine)
+
+    def will_read(self, chunks: list[Chunk]) -> None:
+        """Tell the store which pack bytes these chunks will be read from (a
+        run of neighbours in a pack at once): a local store reads them in the
+        background, so the fetches that follow find them in the page cache
+        rather than each wait for the disk in turn. May block briefly."""
+        i = 0
+        while i < len(chunks):
+            first = chunks[i]
+            end = first.pack_off + first.stored_length
+            i += 1
+            while (i < len(chunks) and chunks[i].pack_no == first.pack_no
+                   and chunks[i].pack_off == end):
+                end += chunks[i].stored_length
+                i += 1
+            self.backend.will_read(packs.pack_name(first.pack_no), first.pack_off,
+                                   end - first.pack_off)
 
     def _fetch_claimed(self, chunks: list[Chunk]) -> list[memoryview]:
         """Fetch chunks this thread claimed, cache them, wake who waits. May block."""
@@ -299,9 +322,15 @@ class Prefetcher:
         # File bytes read ahead of a sequential reader: more than the kernel's
         # own read-ahead (16 MiB), so its READs find their chunks decoded.
         self.depth_bytes = depth_bytes
-        self._limiter = trio.CapacityLimiter(PREFETCH_THREADS)
-        self._nursery: Optional[trio.Nursery] = None
         self._readers: dict[int, float] = {}    # ino -> when it last looked ahead
+        # What the fetch threads do next, oldest first: (hint only?, chunks,
+        # called on the trio thread once fetched). Under _cond.
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[bool, list[Chunk], Optional[Callable[[], None]]]] = deque()
+        self._running = False
+        self._done: list[Callable[[], None]] = []   # to call on the trio thread
+        self._threads: list[threading.Thread] = []
+        self._token: Optional[trio.lowlevel.TrioToken] = None
 
     def depth_for(self, ino: int) -> int:
         """How far ahead of ino's reader to fetch: depth_bytes, less when
@@ -318,44 +347,105 @@ class Prefetcher:
         return max(MIN_DEPTH_BYTES, min(self.depth_bytes, share))
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Serve prefetches until cancelled (the fetches in flight end with it)."""
+        """Run the fetch threads until cancelled (the fetches in flight end
+        first; those not started are dropped)."""
+        self._token = trio.lowlevel.current_trio_token()
+        with self._cond:
+            self._running = True
+        threads = [threading.Thread(target=self._work, name=f"ckptfs-prefetch-{k}", daemon=True)
+                   for k in range(PREFETCH_THREADS)]
+        self._threads = threads
+        for t in threads:
+            t.start()
         try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                task_status.started()
-                await trio.sleep_forever()
+            task_status.started()
+            await trio.sleep_forever()
         finally:
-            self._nursery = None
+            with self._cond:
+                self._running = False
+                self._queue.clear()
+                self._cond.notify_all()
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(lambda: [t.join() for t in threads])
 
     def prefetch(self, chunks: list[Chunk], fetched: Optional[Callable[[], None]] = None
                  ) -> None:
-        """Fetch these cold chunks into the cache in the background, about
-        PREFETCH_BATCH_BYTES per worker-thread call (neighbours in a pack
-        come with one read); fetched (if given) is called on the trio thread
-        after each call that fetched without an error."""
-        if self._nursery is None:
+        """Fetch these cold chunks into the cache in the background, in this
+        order, about PREFETCH_BATCH_BYTES per fetch (neighbours in a pack
+        come with one read), by the fetch threads; fetched (if given) is
+        called on the trio thread after fetches that went without an error
+        (once for several done meanwhile). The store is first told what will
+        be read (`ColdStore.will_read`). Trio thread."""
+        if not self._running:
             return
+        items: list[tuple[bool, list[Chunk], Optional[Callable[[], None]]]] = []
         batch: list[Chunk] = []
+        wanted: list[Chunk] = []
         size = 0
         for c in chunks:
             if self.cold.cached(c):
                 continue
+            wanted.append(c)
             batch.append(c)
             size += c.length
             if size >= PREFETCH_BATCH_BYTES:
-                self._nursery.start_soon(self._fetch, batch, fetched)
+                items.append((False, batch, fetched))
                 batch, size = [], 0
         if batch:
-            self._nursery.start_soon(self._fetch, batch, fetched)
+            items.append((False, batch, fetched))
+        if not items:
+            return
+        with self._cond:
+            self._queue.append((True, wanted, None))
+            self._queue.extend(items)
+            self._cond.notify(len(items) + 1)
 
-    async def _fetch(self, chunks: list[Chunk], fetched: Optional[Callable[[], None]]
-                     ) -> None:
-        try:
-            await trio.to_thread.run_sync(self.cold.get_many, chunks, limiter=self._limiter)
-        except CkptfsError:
-            return          # the read that needs it reports the error
-        if fetched is not None:
+    def _work(self) -> None:
+        """A fetch thread: the oldest item first, so a pack is read forward
+        (the kernel reads ahead of it) and the fetched prefix that READs are
+        answered from in C grows with every batch. It never waits for the
+        trio thread (which serves the READs meanwhile): it tells it what was
+        fetched and goes on. May block."""
+        while True:
+            with self._cond:
+                while self._running and not self._queue:
+                    self._cond.wait()
+                if not self._running:
+                    return
+                hint, chunks, fetched = self._queue.popleft()
+            try:
+                if hint:
+                    self.cold.will_read(chunks)
+                    continue
+                self.cold.get_many(chunks)
+            except CkptfsError:
+                continue            # the read that needs it reports the error
+            except Exception:       # a bug: said, and this thread goes on
+                log.exception("cold prefetch of %d chunks failed", len(chunks))
+                continue
+            if fetched is None:
+                continue
+            with self._cond:
+                first = not self._done
+                self._done.append(fetched)
+            if first:
+                try:
+                    self._token.run_sync_soon(self._deliver)
+                except trio.RunFinishedError:
+                    pass
+
+    def _deliver(self) -> None:
+        """On the trio thread: call what the fetch threads asked for, each once."""
+        with self._cond:
+            done, self._done = self._done, []
+        seen: set[int] = set()
+        for fetched in done:
+            if id(fetched) in seen:
+                continue
+            seen.add(id(fetched))
             try:
                 fetched()
             except CkptfsError:
-                pass        # likewise
+                pass        # the read that needs it reports the error
+            except Exception:
+                log.exception("after a cold prefetch")

@@ -250,6 +250,12 @@ class Backend(ABC):
         same errors. Backends that can fill it without a copy do."""
         out[:] = self.read(name, offset, len(out))
 
+    def will_read(self, name: str, offset: int, length: int) -> None:
+        """A hint: [offset, offset+length) of blob name will be read soon.
+        Backends that can start reading it now do (a local store: the
+        kernel's read-ahead); a wrong range or a missing blob is no error
+        here (the read says what is wrong). May block briefly."""
+
     @abstractmethod
     def size(self, name: str) -> int:
         """The blob's length in bytes (BlobMissing if there is none)."""

@@ -63,7 +63,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, TypeVar
 
 from ..errors import (AlreadyExists, BackingError, BackingFull, BackingReadOnly,
-                      BackingUnavailable, BlobDamaged, BlobMissing, InvalidArgument)
+                      BackingUnavailable, BlobDamaged, BlobMissing, CkptfsError,
+                      InvalidArgument)
 from .base import (MARKER_NAME, Backend, BlobBatch, BlobWriter, UuidLike, as_uuid, marker_body,
                    parse_marker, validate_name, validate_prefix)
 
@@ -319,6 +320,16 @@ class LocalBackend(Backend):
             raise InvalidArgument(f"{self.url}: {name}: bad range offset={offset} "
                                   f"length={len(out)}")
         self._with_read_fd(name, lambda fd: self._preadv_exact(fd, name, offset, out))
+
+    def will_read(self, name: str, offset: int, length: int) -> None:
+        """POSIX_FADV_WILLNEED: the kernel reads the range in the background,
+        so the reads that follow find it in the page cache."""
+        try:
+            validate_name(name)
+            self._with_read_fd(name, lambda fd: os.posix_fadvise(
+                fd, offset, length, os.POSIX_FADV_WILLNEED))
+        except (CkptfsError, OSError, ValueError):
+            pass                # only a hint: the read reports what is wrong
 
     def _with_read_fd(self, name: str, read: Callable[[int], T]) -> T:
         """read(fd) on name's cached fd; on ESTALE (NFS: the file was replaced

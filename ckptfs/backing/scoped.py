@@ -50,6 +50,9 @@ class ScopedBackend(Backend):
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         self.inner.read_into(self.prefix + validate_name(name), offset, out)
 
+    def will_read(self, name: str, offset: int, length: int) -> None:
+        self.inner.will_read(self.prefix + validate_name(name), offset, length)
+
     def size(self, name: str) -> int:
         return self.inner.size(self.prefix + validate_name(name))
 

@@ -320,3 +320,70 @@ def test_cold_reads_in_c_never_serve_evicted_stale_or_unlinked_bytes(make_mount,
     write_file(m.path / "c", a[:20 * MiB])     # a new file after the unlink
     assert read_file(m.path / "c") == a[:20 * MiB]
     check_clean(fsck_clean, m)
+
+
+def test_prefetch_fetches_in_order_while_the_trio_thread_is_busy(tmp_path, monkeypatch):
+    """The fetch threads take batches in the order asked (a pack read forward,
+    the prefix READs are answered from in C growing) and never wait for the
+    trio thread, which serves READs meanwhile: each batch used to be a trio
+    task and a thread hop, started in either order (trio runs tasks spawned
+    together in either order) and only when the trio thread got to it.
+    What was fetched is told to the trio thread, once it is free."""
+    import threading
+    import time
+
+    import trio
+
+    from ckptfs import coldstore
+    from ckptfs.coldstore import Prefetcher
+
+    backend = LocalBackend.create(tmp_path / "store")
+    rng = random.Random(5)
+    datas = [rng.randbytes(100_000) for _ in range(96)]
+    chunks = []
+    with packs.PackWriter.create(backend, packs.pack_name(1)) as w:
+        for n, data in enumerate(datas):
+            e = w.add(blake3(data).digest(), codec.CODEC_RAW, 0, data, len(data))
+            chunks.append(Chunk(n, CHUNK_PACK, 1, len(data), pack_no=1, pack_off=e.offset,
+                                stored_length=len(data), codec=codec.CODEC_RAW,
+                                payload_crc=e.crc, chunk_id=e.chunk_id))
+        w.commit()
+
+    started: list[int] = []
+
+    class Recording(ColdStore):
+        def get_many(self, run: list[Chunk]) -> None:
+            started.append(run[0].chunk_no)
+            super().get_many(run)
+
+    cold = Recording(backend, cache_bytes=64 * MiB)
+    # One fetch thread: the order it takes batches in is the order they start.
+    monkeypatch.setattr(coldstore, "PREFETCH_THREADS", 1)
+    prefetcher = Prefetcher(cold, depth_bytes=32 * MiB)
+    told: list[int] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(prefetcher.run)
+            # Four look-aheads of 24 chunks (3 batches each), asked at once.
+            for k in range(0, 96, 24):
+                prefetcher.prefetch(chunks[k:k + 24], lambda: told.append(threading.get_ident()))
+            # The trio thread busy (no checkpoint): the fetches go on regardless.
+            deadline = time.monotonic() + 10
+            while cold.fetches < len(chunks) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert cold.fetches == len(chunks), \
+                f"{cold.fetches} of {len(chunks)} chunks fetched while the trio thread was busy"
+            assert told == []               # nothing runs on it behind its back
+            await trio.testing.wait_all_tasks_blocked()
+            assert told and set(told) == {threading.get_ident()}
+            nursery.cancel_scope.cancel()
+
+    import trio.testing
+    trio.run(main)
+    assert started == sorted(started), f"batches fetched out of order: {started}"
+    assert len(started) == 12
+    for c in chunks:
+        assert bytes(cold.get(c)) == datas[c.chunk_no]
+    assert all(not t.is_alive() for t in prefetcher._threads)
+    backend.close()
