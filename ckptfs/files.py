@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 __all__ = ["MAX_FILE_BYTES", "FileData", "DirtyFile"]
 
 LOG_FULL_WARNING_S = 60.0        # at most one "log full" warning this often
+SMALL_PUNCH_BYTES = 64 * 1024    # a punch this small first looks for the one extent holding it
 
 MakeRoom = Callable[[int], Awaitable[None]]
 
@@ -324,7 +325,7 @@ class FileData:
         if df.trunc_to is not None:
             inode.data_bytes -= self._punch(df.ino, df.trunc_to, MAX_FILE_BYTES)
         # A new file or an O_TRUNC rewrite has nothing left to punch out.
-        overwrites = next(ix.iter_extents(self.index, df.ino), None) is not None
+        overwrites = ix.has_extents(self.index, df.ino)
         new_extents = []
         for e in extents:
             if overwrites:
@@ -431,7 +432,7 @@ class FileData:
     def _punch(self, ino: int, a: int, b: int) -> int:
         """Remove [a, b) from the committed map; return the bytes removed."""
         removed = 0
-        for e in list(ix.iter_extents(self.index, ino, a, b)):
+        for e in self._extents_over(ino, a, b):
             ix.delete_extent(self.index, ino, e.file_off)
             kept = 0
             if e.file_off < a:
@@ -445,3 +446,18 @@ class FileData:
             removed += min(e.end, b) - max(e.file_off, a)
             self.reclaimer.add_refs(e.chunk_no, kept - 1)
         return removed
+
+    def _extents_over(self, ino: int, a: int, b: int) -> list[Extent]:
+        """The committed extents overlapping [a, b). A small range (a rewrite)
+        lies inside one extent or across the boundary of two touching ones:
+        the extents holding a and b - 1 are then all there is (extents never
+        overlap), two lookups with no scan of the map."""
+        if b - a <= SMALL_PUNCH_BYTES:
+            first = ix.extent_at(self.index, ino, a)
+            if first is not None:
+                if first.end >= b:
+                    return [first]
+                last = ix.extent_at(self.index, ino, b - 1)
+                if last is not None and last.file_off == first.end:
+                    return [first, last]
+        return list(ix.iter_extents(self.index, ino, a, b))

@@ -816,6 +816,43 @@ class Index:
         sources.append(self._lmdb_items(db, lo, hi, reverse))
         yield from _merge_layers(sources, reverse)
 
+    def _floor_below(self, db: str, lo: bytes, below: bytes) -> Optional[tuple[bytes, bytes]]:
+        """The committed-or-pending item with the greatest key in [lo, below),
+        if any: what `_items(db, lo, below, reverse=True)` yields first, found
+        by bisection in each layer and one cursor, with no merge of iterators
+        (a commit's punches look one up per rewrite). Same consistency rule
+        as `_items`."""
+        layers = [layer for batch in (self._open, self._committing) if batch is not None
+                  for layer in (batch.ops.get(db),) if layer]
+        cur = self._rtxn.cursor(self._dbs[db])
+        while True:
+            # Each source's greatest key below `below` (a layer's may be a
+            # pending deletion); the greatest of them, newest source first on a tie.
+            if cur.set_range(below):
+                ok = cur.prev()
+            else:
+                ok = cur.last()
+            key = cur.key() if ok else None
+            if key is not None and key < lo:
+                key = None
+            for layer in layers:
+                i = layer.bisect_left(below)
+                if i:
+                    k = layer.peekitem(i - 1)[0]
+                    if k >= lo and (key is None or k > key):
+                        key = k
+            if key is None:
+                return None
+            for layer in layers:
+                if key in layer:
+                    value = layer[key]
+                    break
+            else:
+                value = cur.value()      # only the cursor has it, and it is there
+            if value is not None:
+                return key, value
+            below = key                  # deleted in a pending batch: look further down
+
     def _lmdb_items(self, db: str, lo: bytes, hi: bytes, reverse: bool
                     ) -> Iterator[tuple[bytes, bytes]]:
         cur = self._rtxn.cursor(self._dbs[db])
@@ -1811,6 +1848,21 @@ def iter_extents(kv: "Index", ino: int, start: int = 0, end: int = 1 << 63) -> I
         if e.file_off >= end:
             return
         yield e
+
+
+def extent_at(index: "Index", ino: int, off: int) -> Optional[Extent]:
+    """The extent of ino holding byte off, if one does (the live index only)."""
+    found = index._floor_below("extents", extent_key(ino, 0), extent_key(ino, off + 1))
+    if found is None:
+        return None
+    e = extent_decode(*found)
+    return e if e.end > off else None
+
+
+def has_extents(index: "Index", ino: int) -> bool:
+    """Whether ino has any extent (the live index only)."""
+    lo, hi = prefix_range(ino)
+    return index._floor_below("extents", lo, hi) is not None
 
 
 def _upgrade_chunk_ids(txn: "DirectTxn") -> None:

@@ -19,10 +19,12 @@ FILE_BYTES = 4 * MiB
 
 
 @pytest.fixture
-def cut_work(monkeypatch) -> dict[str, int]:
-    """Chunkers made and log reads done by the commit-time cut (counted, not replaced)."""
-    counts = {"chunkers": 0, "reads": 0}
+def commit_work(monkeypatch) -> dict[str, int]:
+    """Chunkers made and log reads done by the commit-time cut, and scans of
+    committed extent maps (counted, not replaced)."""
+    counts = {"chunkers": 0, "reads": 0, "map_scans": 0}
     real_chunker, real_read = staging.BatchChunker, PmemLog.read_unverified_into
+    real_scan = ix.iter_extents
 
     class CountedChunker(real_chunker):
         def __init__(self, *args, **kw):
@@ -33,6 +35,12 @@ def cut_work(monkeypatch) -> dict[str, int]:
         counts["reads"] += 1
         return real_read(self, out, off)
 
+    def scan(*args, **kw):
+        counts["map_scans"] += 1
+
+        return real_scan(*args, **kw)
+
+    monkeypatch.setattr(ix, "iter_extents", scan)
     monkeypatch.setattr(staging, "BatchChunker", CountedChunker)
     monkeypatch.setattr(PmemLog, "read_unverified_into", read)
     return counts
@@ -56,19 +64,21 @@ async def _rewrite_cycles(fs, ino: int, rng: random.Random, cycles: int,
         await fs.fs.release(fh)
 
 
-def test_a_cycle_of_small_rewrites_is_cut_without_a_chunker_each(inproc, cut_work):
+def test_a_cycle_of_small_rewrites_is_cut_without_a_chunker_each(inproc, commit_work):
     """The fsync after 16 random 4 KiB rewrites names them as 16 chunks with
     one native call over one read of the log (they lie next to each other
-    there), not a chunker and a read per rewrite; the file reads back right,
-    and fsck finds every record right after a crash."""
+    there), not a chunker and a read per rewrite, and punches each out of
+    the committed map with a lookup of the one extent holding it, not a scan
+    each; the file reads back right, and fsck finds every record right
+    after a crash."""
     rng = random.Random(5)
     expect = bytearray(rng.randbytes(FILE_BYTES))
     fs = inproc(["pmem_size=64M"])
     ino = fs.run(lambda fs: fs.write_file("/f", bytes(expect)))
     per_fsync: list[dict[str, int]] = []
-    fs.run(_rewrite_cycles, ino, rng, 8, expect, cut_work, per_fsync)
+    fs.run(_rewrite_cycles, ino, rng, 8, expect, commit_work, per_fsync)
     # (The first write after the open starts a stream, cut by a chunker of its own.)
-    assert per_fsync[1:] == [{"chunkers": 0, "reads": 1}] * 7
+    assert per_fsync[1:] == [{"chunkers": 0, "reads": 1, "map_scans": 0}] * 7
     assert fs.run(lambda fs: fs.read_file("/f")) == expect
     fs.close()                      # as a crash leaves it: nothing more flushed
     assert fs.fsck().returncode == 0

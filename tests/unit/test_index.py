@@ -43,6 +43,44 @@ def test_items_merges_pending_over_committed_in_both_directions(tmp_path):
     index.close()
 
 
+def test_floor_below_finds_what_a_reverse_scan_finds_first(tmp_path):
+    """`_floor_below` (the commit's punch lookup) against the merged reverse
+    scan, over committed keys under a sealed batch being committed and an open
+    one, both with puts and pending deletions (runs of them: the floor may
+    have to step down past several)."""
+    rng = random.Random(11)
+    committed = {k: f"c{k}".encode() for k in rng.sample(range(300), 150)}
+    index = committed_index(tmp_path, committed)
+    model = dict(committed)
+
+    def change(n: int) -> None:
+        for _ in range(n):
+            k = rng.randrange(300)
+            if rng.random() < 0.5:
+                for j in range(k, min(k + rng.randrange(1, 6), 300)):
+                    index._delete("xattrs", keys(j))
+                    model.pop(j, None)
+            else:
+                index._put("xattrs", keys(k), f"p{k}".encode())
+                model[k] = f"p{k}".encode()
+
+    def check() -> None:
+        for lo in (0, 40, 150, 299):
+            for below in range(lo, 310):
+                want = next(index._items("xattrs", keys(lo), keys(below), reverse=True), None)
+                assert index._floor_below("xattrs", keys(lo), keys(below)) == want, (lo, below)
+                live = [k for k in model if lo <= k < below]
+                assert want == ((keys(max(live)), model[max(live)]) if live else None)
+
+    change(60)
+    check()
+    # Seal the open batch as the committer does (it is then being committed).
+    index._committing, index._open = index._open, ix.Batch(seq=index._open.seq + 1)
+    change(60)
+    check()
+    index.close()
+
+
 def test_batches_commit_in_order_and_become_durable(tmp_path):
     index = Index(str(tmp_path / "index"))
     persisted: list[list[tuple[int, int]]] = []
