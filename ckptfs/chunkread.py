@@ -97,6 +97,7 @@ if TYPE_CHECKING:
 
 INLINE_BYTES = 64 * 1024         # reads up to this size are assembled on the trio thread
 AHEAD_RESCAN_BYTES = 64 << 20    # a reader this far behind its look-ahead starts it again
+AHEAD_STEP_BYTES = 4 << 20       # the look-ahead is topped up by at least this much at once
 AHEAD_RECORDS = 8192             # cold chunk records kept for the next windows, at most
 
 WINDOW_BYTES = 32 << 20          # the committed map loaded at once for a reader
@@ -531,10 +532,14 @@ class ChunkReader:
         Each read continues from where the last one's look-ahead stopped, so a
         sequential restore scans every extent once, not once per read; the
         part in the reader's window (if given) takes its records from there.
+        Every read the daemon serves tops the look-ahead up to the full depth
+        (once AHEAD_STEP_BYTES are missing): most READs of a cold file are
+        answered in C and never come here, and a top-up only when half the
+        depth was left let the reader catch up with the fetches.
         """
         depth = self.prefetcher.depth_for(ino)
         horizon = self._ahead.get(ino, 0)
-        if horizon > off + depth // 2:
+        if horizon >= off + depth - AHEAD_STEP_BYTES:
             return []               # far enough ahead already
         start = max(off, horizon) if horizon <= off + AHEAD_RESCAN_BYTES else off
         stop = min(off + depth, file_size)
