@@ -1175,12 +1175,23 @@ class Index:
 
     def _redo_record(self, log_chunks: list[tuple[int, int, int]]) -> bytes:
         """The `logredo` value of these chunks, their bytes read from the log."""
+        # In log order: chunks next to each other in the log (a commit's
+        # small rewrites are) are read in one read, their bytes following
+        # each other in the record as its entries do.
+        log_chunks = sorted(log_chunks)
         parts = [_REDO_COUNT.pack(len(log_chunks))]
         parts += [_REDO_ENTRY.pack(off, length, no) for off, length, no in log_chunks]
-        for off, length, _ in log_chunks:
-            data = self._read_log(off, length)
-            if len(data) != length:
-                raise DamagedData(f"log ends before offset {off + length}")
+        k = 0
+        while k < len(log_chunks):
+            off, length, _ = log_chunks[k]
+            end = off + length
+            k += 1
+            while k < len(log_chunks) and log_chunks[k][0] == end:
+                end += log_chunks[k][1]
+                k += 1
+            data = self._read_log(off, end - off)
+            if len(data) != end - off:
+                raise DamagedData(f"log ends before offset {end}")
             parts.append(data)
         return b"".join(parts)
 
