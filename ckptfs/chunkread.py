@@ -28,7 +28,15 @@ which then answers the kernel's READs inside it from the page cache
 without entering the interpreter; a window is withdrawn from it
 whenever it is dropped, and it is dropped before the file's map, its
 chunks or its size change, or the file gets uncommitted changes
-(`changing`).
+(`changing`). A sequential reader served in C never comes here for its next
+window: the published table carries a mark (`read_marks`), and the fast
+path tells `load_ahead` (fastpath.serve_read_ahead) once the reader passes
+it, NEXT_WINDOW_AT_BYTES before the window's end; the next window is loaded
+then (the current one's extents reused, only the new stretch read from the
+index) and replaces the table before the reader gets there. The index
+pages of the stretches ahead are read into memory on a worker thread first
+(`ix.touch_map`, through a read view: nothing decoded or kept there), so
+the trio thread's load does not wait for the disk after a cache drop.
 
 A read of cold chunks also asks the prefetcher for the cold chunks a
 sequential reader will want next (`cold_ahead`), continuing from where the
@@ -82,6 +90,8 @@ if TYPE_CHECKING:
         def read_table(self, ino: int, log_fd: int, table: native.ExtentTable,
                        start: int, end: int) -> bool: ...
 
+        def read_marks(self, ino: int, next_at: Optional[int], end_is_eof: bool) -> None: ...
+
         def read_forget(self, ino: int) -> None: ...
 
         def read_retire(self, ino: int) -> None: ...
@@ -101,7 +111,16 @@ AHEAD_STEP_BYTES = 4 << 20       # the look-ahead is topped up by at least this 
 AHEAD_RECORDS = 8192             # cold chunk records kept for the next windows, at most
 
 WINDOW_BYTES = 32 << 20          # the committed map loaded at once for a reader
-WINDOW_BACK_BYTES = 8 << 20      # a reader's next window keeps this much behind the read
+# A reader's next window keeps this much behind the read: the kernel sends
+# the READs of its read-ahead (16 MiB) out of order.
+WINDOW_BACK_BYTES = 20 << 20
+# A published window's sequential reader this near its end gets the next one
+# loaded ahead (load_ahead), so its READs keep being answered in C; that one
+# reaches this far past the reader (fewer, longer loads than WINDOW_BYTES).
+NEXT_WINDOW_AT_BYTES = 16 << 20
+AHEAD_WINDOW_BYTES = 64 << 20
+WARM_AHEAD_BYTES = 128 << 20     # the index pages of this much ahead are read in advance
+MAX_TOUCHED = 4096               # files whose index pages read ahead are remembered
 MAX_WINDOWS = 32                 # files whose windows are kept (least recently read go)
 REPLY_BUFFER_BYTES = 1 << 20     # reused reply buffers: the largest FUSE read
 MAX_REPLY_BUFFERS = 8            # more in use at once are allocated and dropped
@@ -127,11 +146,13 @@ class MapWindow:
     ino: int
     start: int
     end: int
+    file_size: int                   # the file's size when loaded (a change drops the window)
     extents: list[Extent]
     ends: list[int]                  # each extent's end, for bisect
     offs: list[int]                  # each extent's file offset
     chunks: list[Optional[Chunk]]    # None for LOG extents the executor reads
     slow: list[int]                  # slow[k]: extents before k the executor cannot read
+    rows: list[tuple]                # the table's rows (native.ExtentTable), for the next window
     table: Optional[native.ExtentTable]
     published: bool = False          # the FUSE fast path answers reads inside it
     read_to: int = 0                 # where the last read ended (sequential or not)
@@ -189,12 +210,14 @@ class ChunkReader:
         # Cold chunk records the look-ahead read past a window's end, for the
         # next window's load (dropped when the index changes them).
         self._ahead_records: dict[int, Chunk] = {}
+        self._touched_to: dict[int, int] = {}   # ino -> its index pages read ahead up to
         self._bytes_read = 0
         self._publisher: Optional["ReadPublisher"] = None
         self._windows: dict[int, MapWindow] = {}        # ino -> its window, oldest first
         self._chunk_users: dict[int, set[int]] = {}     # chunk_no -> inos whose window names it
         self._replies = ReplyBuffers()
         self.window_loads = 0
+        self.windows_ahead = 0          # of those, loaded ahead of a reader in C (load_ahead)
         self.reads_waited = 0           # window reads that missed the page cache
         index.watch_maps(self._extents_changed, self._chunk_changed)
 
@@ -304,6 +327,7 @@ class ChunkReader:
     def forget(self, ino: int) -> None:
         """The kernel forgot ino: drop its look-ahead position and window."""
         self._ahead.pop(ino, None)
+        self._touched_to.pop(ino, None)
         self._drop_window(ino)
 
     # ------------------------------------------------------------ windows
@@ -321,12 +345,80 @@ class ChunkReader:
                 # order, so the last few MiB before this one still come.
                 w_start = max(window.start, off - WINDOW_BACK_BYTES)
             self._drop_window(ino, window, moving=True)
-        w_end = max(end, min(off + WINDOW_BYTES, file_size))
-        extents = list(ix.iter_extents(self.index, ino, w_start, w_end))
+        return self._load_window(ino, w_start, max(end, min(off + WINDOW_BYTES, file_size)),
+                                 file_size)
+
+    async def load_ahead(self, ino: int, read_to: int) -> None:
+        """ino's sequential reader of its published window has reached
+        read_to (fastpath.serve_read_ahead): near the window's end, load and
+        publish the window it reads next now, so that its READs do not come
+        here for it. The index pages windows need are read into memory on a
+        worker thread first, well ahead of the reader (after a cache drop,
+        each page fault on the trio thread stalled every READ for ms); each
+        window is still loaded from the live index on the trio thread."""
+        window = self._windows.get(ino)
+        if window is None or not window.published or not window.start <= read_to <= window.end \
+                or window.end == window.file_size:
+            return                          # dropped, moved on, not read in C, or the last
+        size = window.file_size
+        if read_to < window.end - NEXT_WINDOW_AT_BYTES:
+            # A reader's first window asks at once: only the index pages,
+            # the next window's first.
+            await self._touch_index_ahead(ino, window.end, min(window.end + WINDOW_BYTES, size))
+            if self._windows.get(ino) is window:
+                self._publisher.read_marks(ino, window.end - NEXT_WINDOW_AT_BYTES, False)
+            await self._touch_index_ahead(ino, window.end, min(read_to + WARM_AHEAD_BYTES, size))
+            return
+        w_end = min(read_to + AHEAD_WINDOW_BYTES, size)
+        if w_end <= window.end:
+            return
+        await self._touch_index_ahead(ino, window.end, w_end)
+        if self._windows.get(ino) is not window:
+            return                  # dropped (a change) or replaced meanwhile: nothing to do
+        del self._windows[ino]
+        self._drop_window(ino, window, moving=True)
+        self._load_window(ino, max(window.start, read_to - WINDOW_BACK_BYTES), w_end, size,
+                          reuse=window)
+        self.windows_ahead += 1
+        await self._touch_index_ahead(ino, w_end, min(read_to + WARM_AHEAD_BYTES, size))
+
+    async def _touch_index_ahead(self, ino: int, start: int, end: int) -> None:
+        """The index pages of ino's map in [start, end) are read into memory
+        on a worker thread, those not asked for before (`_touched_to`)."""
+        start = max(start, self._touched_to.get(ino, 0))
+        if start >= end:
+            return
+        if len(self._touched_to) > MAX_TOUCHED:
+            self._touched_to.clear()        # readers the kernel never forgot
+        self._touched_to[ino] = end
+        view = self.index.read_view()
+        try:
+            await trio.to_thread.run_sync(ix.touch_map, view, ino, start, end)
+        finally:
+            view.close()
+
+    def _load_window(self, ino: int, w_start: int, w_end: int, file_size: int,
+                     reuse: Optional[MapWindow] = None) -> MapWindow:
+        """ino's committed map of [w_start, w_end) (w_end <= file_size),
+        loaded, kept and published. reuse: ino's window until now, dropped
+        just before (nothing changed: it is the index's map), with
+        reuse.start <= w_start <= reuse.end < w_end; its part past w_start
+        is taken from it, not read again. Trio thread."""
+        extents: list[Extent] = []
         chunks: list[Optional[Chunk]] = []
         slow = [0]
         rows = []
-        for e in extents:
+        read_from = w_start
+        if reuse is not None:
+            k = bisect_right(reuse.ends, w_start)
+            extents, chunks, rows = reuse.extents[k:], reuse.chunks[k:], reuse.rows[k:]
+            for i in range(k, len(reuse.extents)):
+                slow.append(slow[-1] + reuse.slow[i + 1] - reuse.slow[i])
+            read_from = reuse.end
+        for e in list(ix.iter_extents(self.index, ino, read_from, w_end)):
+            if reuse is not None and e.file_off < read_from:
+                continue                    # it overlaps reuse: taken from there
+            extents.append(e)
             # Only what the index holds (the watch sees every change of it);
             # anything else is asked for again at each read.
             record = self._ahead_records.pop(e.chunk_no, None)
@@ -355,14 +447,20 @@ class ChunkReader:
             slow.append(slow[-1] + (not fast))
         # A device-DAX log has no read(2): the mapping is read in Python.
         fast_any = slow[-1] < len(extents) and not self.log.dax
-        window = MapWindow(ino, w_start, w_end, extents, [e.end for e in extents],
-                           [e.file_off for e in extents], chunks, slow,
+        window = MapWindow(ino, w_start, w_end, file_size, extents, [e.end for e in extents],
+                           [e.file_off for e in extents], chunks, slow, rows,
                            native.ExtentTable(rows) if fast_any else None)
         self._windows[ino] = window
         if self._publisher is not None and window.table is not None and slow[-1] == 0:
             # w_end <= file_size: the fast path never answers past the end.
             window.published = self._publisher.read_table(ino, self.log.fd, window.table,
                                                           w_start, w_end)
+            if window.published:
+                # A reader's first window asks at its next READ (the index
+                # pages ahead are read then), the others near their end.
+                next_at = None if w_end == file_size else w_start \
+                    if ino not in self._touched_to else max(w_start, w_end - NEXT_WINDOW_AT_BYTES)
+                self._publisher.read_marks(ino, next_at, w_end == file_size)
         for e in extents:
             self._chunk_users.setdefault(e.chunk_no, set()).add(ino)
         while len(self._windows) > MAX_WINDOWS:
@@ -411,6 +509,7 @@ class ChunkReader:
                     del self._chunk_users[e.chunk_no]
 
     def _extents_changed(self, ino: int) -> None:
+        self._touched_to.pop(ino, None)     # its new extents' pages are not read yet
         if ino in self._windows:
             self._drop_window(ino)
 

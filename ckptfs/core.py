@@ -470,6 +470,7 @@ class Filesystem:
             "bytes_written": self.files.bytes_written,
             "bytes_read": self.files.bytes_read,
             "read_window_loads": self.files.reader.window_loads,
+            "read_windows_ahead": self.files.reader.windows_ahead,
             "errors": dict(self.errors_by_kind),
             "read_only": self.index.failure is not None or self.index.fenced is not None,
             "last_error": (str(self.index.failure) if self.index.failure

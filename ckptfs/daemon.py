@@ -563,6 +563,8 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
             elif ops is not None:
                 # READs the fast path's read pool could not answer (a failed check).
                 inner.start_soon(fastpath.serve_handbacks, ops.read_errno)
+                # Read tables loaded ahead of sequential readers.
+                inner.start_soon(fastpath.serve_read_ahead, fs.files.reader.load_ahead)
             if fs.tierer is not None:
                 await inner.start(fs.tierer.run)
             if merged is not None:

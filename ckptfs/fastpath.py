@@ -12,7 +12,10 @@ entering the interpreter: from the page cache on the trio thread, else on
 the C module's read pool threads, which hand a READ whose check fails back
 to the daemon (`serve_handbacks`); and READs of cold chunks the cold store
 has fetched and verified, from the cold table the reader publishes of them
-(`cold_publish`: native/ckptfs_coldtable.h).
+(`cold_publish`: native/ckptfs_coldtable.h). A table's mark (`read_marks`)
+tells the daemon when a sequential reader nears its end
+(`serve_read_ahead`), so the next one is published before the reader
+gets there.
 
 In a process that loaded pyfuse3 first (tests that import the adapter) the
 fast path cannot install itself: `hooked()` stays False and every request
@@ -112,6 +115,35 @@ def read_table(ino: int, log_fd: int, table: "ExtentTable", start: int, end: int
     _give_executor()
     ext, count, crcs, n_crcs = table.addresses()
     return lib.ckptfs_fuse_read_table(ino, log_fd, ext, count, crcs, n_crcs, start, end) == 0
+
+
+def read_marks(ino: int, next_at: Optional[int], end_is_eof: bool) -> None:
+    """On ino's current table: once its sequential reader passes file offset
+    next_at (None: never), `serve_read_ahead` is told (once), so the next
+    table can be published before the reader gets there; end_is_eof: the
+    table ends at the file's size, READs reaching past it are answered short
+    there (the kernel asks for whole pages)."""
+    if hasattr(lib, "ckptfs_fuse_read_marks"):
+        lib.ckptfs_fuse_read_marks(ino, (1 << 64) - 1 if next_at is None else next_at,
+                                   1 if end_is_eof else 0)
+
+
+async def serve_read_ahead(load: Callable[[int, int], Awaitable[None]]) -> None:
+    """Load and publish the next table of each reader that passed its table's
+    `read_marks` mark: load(ino, offset the reader's run reached), each in
+    a task of its own. Runs until cancelled; returns at once without the
+    fast path."""
+    if not hooked() or not hasattr(lib, "ckptfs_fuse_read_ahead_fd"):
+        return
+    wake_fd = lib.ckptfs_fuse_read_ahead_fd()
+    if wake_fd < 0:
+        return
+    inos, read_to = ffi.new("uint64_t[]", 64), ffi.new("uint64_t[]", 64)
+    async with trio.open_nursery() as nursery:
+        while True:
+            await trio.lowlevel.wait_readable(wake_fd)
+            for k in range(lib.ckptfs_fuse_read_wanted(inos, read_to, 64)):
+                nursery.start_soon(load, int(inos[k]), int(read_to[k]))
 
 
 def read_forget(ino: int) -> None:

@@ -1876,6 +1876,28 @@ def has_extents(index: "Index", ino: int) -> bool:
     return index._floor_below("extents", lo, hi) is not None
 
 
+def touch_map(view: "ReadView", ino: int, start: int, end: int) -> int:
+    """Read the pages that hold ino's extents starting in [start, end) and
+    their chunk records, decoding nothing: a worker thread brings them into
+    memory before the trio thread's read window (chunkread.py) needs them
+    (after a cache drop each page is a disk read). The number of extents
+    seen. May block."""
+    cur = view.txn.cursor(view.dbs["extents"])
+    if not cur.set_range(extent_key(ino, start)):
+        return 0
+    hi = extent_key(ino, end)
+    chunks_db = view.dbs["chunks"]
+    get, chunk_no_of, key_of = view.txn.get, _LOGLOC.unpack_from, _U64.pack
+    n = 0
+    for k, v in cur:
+        if k >= hi:
+            break
+        if len(v) == _EXTENT.size:      # a damaged one: the window's load says so
+            get(key_of(chunk_no_of(v)[0]), db=chunks_db)
+        n += 1
+    return n
+
+
 def _upgrade_chunk_ids(txn: "DirectTxn") -> None:
     """Format 1 -> 2: LOG chunks get an all-zero id; the chunk totals are counted.
     Format 1 predates tiering too: no packs, no pack counters (they read as 0)."""

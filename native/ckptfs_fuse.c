@@ -15,6 +15,7 @@
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -80,6 +81,9 @@ typedef struct {
     uint64_t read_to, hinted_to;    /* where the last read ended, hints asked up to */
     uint64_t age;                   /* when it was made: the oldest goes first */
     int active;                     /* 0: retired (a reader moved on), READs go to the daemon */
+    uint64_t next_at;               /* a sequential READ ending past it asks for the next table */
+    int next_asked;                 /* 1: asked (ckptfs_fuse_read_wanted not called yet), 2: taken */
+    int end_is_eof;                 /* end is the file's size: READs past it are answered short */
     unsigned inflight;              /* the file's READs queued or read in the pool (its lock) */
 } fp_table;
 
@@ -88,6 +92,7 @@ static uint64_t table_clock;
 static fp_read_fn read_extents;
 static fp_hint_fn hint_extents;
 static uint8_t *reply_buf;          /* FP_READ_MAX bytes, then the executor's scratch */
+static int ahead_fd = -1;           /* readable: a reader wants its next table */
 
 static uint64_t counters[FP_COUNTERS];
 static uint64_t caps_absent[FP_SLOTS];
@@ -206,7 +211,45 @@ int ckptfs_fuse_read_table(uint64_t ino, int log_fd, uintptr_t ext, size_t n, ui
     t->end = end;
     t->age = ++table_clock;
     t->active = 1;
+    t->next_at = UINT64_MAX;
+    t->next_asked = 0;
+    t->end_is_eof = 0;
     return 0;
+}
+
+int ckptfs_fuse_read_ahead_fd(void)
+{
+    if (ahead_fd < 0)
+        ahead_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    return ahead_fd;
+}
+
+void ckptfs_fuse_read_marks(uint64_t ino, uint64_t next_at, int end_is_eof)
+{
+    fp_table *t = table_of(ino);
+    if (t != NULL && ino != 0 && t->active) {
+        t->next_at = ahead_fd >= 0 ? next_at : UINT64_MAX;
+        t->next_asked = 0;
+        t->end_is_eof = end_is_eof != 0;
+    }
+}
+
+size_t ckptfs_fuse_read_wanted(uint64_t *inos, uint64_t *read_to, size_t n)
+{
+    uint64_t drained;
+    if (ahead_fd >= 0 && read(ahead_fd, &drained, sizeof drained) < 0)
+        drained = 0;            /* EAGAIN: nothing was asked since the last call */
+    size_t k = 0;
+    for (size_t i = 0; i < FP_READ_SLOTS && k < n; i++) {
+        fp_table *t = &tables[i];
+        if (t->ino != 0 && t->active && t->next_asked == 1) {
+            t->next_asked = 2;
+            inos[k] = t->ino;
+            read_to[k] = t->read_to;
+            k++;
+        }
+    }
+    return k;
 }
 
 void ckptfs_fuse_read_retire(uint64_t ino)
@@ -214,6 +257,8 @@ void ckptfs_fuse_read_retire(uint64_t ino)
     fp_table *t = table_of(ino);
     if (t != NULL && ino != 0) {
         t->active = 0;
+        t->next_at = UINT64_MAX;
+        t->end_is_eof = 0;
         t->ext = NULL;
         t->crcs = NULL;
         t->n = t->n_crcs = 0;
@@ -331,6 +376,14 @@ static void hint_ahead(fp_table *t, uint64_t off, uint64_t end)
 {
     int sequential = off + FP_HINT_SLACK >= t->read_to && off <= t->read_to + FP_HINT_SLACK;
     t->read_to = sequential && t->read_to > end ? t->read_to : end;
+    if (sequential && t->read_to > t->next_at && t->next_asked == 0) {
+        /* The daemon loads the reader's next table now, before the reader
+         * gets there: no READ waits for it (ckptfs_fuse_read_wanted). */
+        static const uint64_t one = 1;
+        t->next_asked = 1;
+        if (write(ahead_fd, &one, sizeof one) < 0)
+            t->next_asked = 0;  /* (the counter is full: cannot happen) */
+    }
     if (!sequential || t->hinted_to >= end + FP_HINT_BYTES / 2)
         return;
     uint64_t from = t->hinted_to > end ? t->hinted_to : end;
@@ -345,7 +398,7 @@ static void hint_ahead(fp_table *t, uint64_t off, uint64_t end)
  * extents or CRCs for a job, a CRC index outside the table, the pool's
  * queue full). */
 static int submit(int fd, const struct fuse_in_header *in, const struct fuse_read_in *rd,
-                  fp_table *t, size_t first, size_t count)
+                  uint32_t size, fp_table *t, size_t first, size_t count)
 {
     static rp_job job;          /* trio thread only; 10 KiB, so not on its stack */
     if (count > RP_EXT_MAX)
@@ -367,7 +420,7 @@ static int submit(int fd, const struct fuse_in_header *in, const struct fuse_rea
     job.nodeid = in->nodeid;
     job.fh = rd->fh;
     job.offset = rd->offset;
-    job.size = rd->size;
+    job.size = size;
     job.log_fd = t->fd;
     job.n = count;
     job.n_crcs = n_crcs;
@@ -388,6 +441,8 @@ static int answer_read(int fd, const struct fuse_in_header *in, size_t len)
         /* Not a log window: maybe cold chunks already fetched and verified. */
         return ckptfs_cold_answer(fd, in->nodeid, in->unique, rd->offset, rd->size);
     uint64_t off = rd->offset, size = rd->size;
+    if (t->end_is_eof && off < t->end && size > t->end - off)
+        size = t->end - off;    /* the kernel asks for whole pages: short at the end */
     if (size == 0 || size > FP_READ_MAX || off < t->start || off > t->end
             || size > t->end - off) {
         bump(FP_READS_PASSED, 1);
@@ -417,7 +472,7 @@ static int answer_read(int fd, const struct fuse_in_header *in, size_t len)
     if (rc != 0 && err.kind == 5) {
         /* Not in the page cache: a pool thread waits for the disk, checks
          * and answers it (ckptfs_readpool.h), and this one goes on. */
-        if (submit(fd, in, rd, t, first, count))
+        if (submit(fd, in, rd, (uint32_t)size, t, first, count))
             return 1;
     }
     if (rc != 0) {

@@ -89,6 +89,23 @@ int ckptfs_fuse_read_table(uint64_t ino, int log_fd, uintptr_t ext, size_t n, ui
  * table's memory may go once this returns. */
 void ckptfs_fuse_read_retire(uint64_t ino);
 
+/* Marks on ino's current table (no-op for an ino without an active one;
+ * ckptfs_fuse_read_table and ckptfs_fuse_read_retire clear them):
+ * next_at: once a READ of it that continues the reader's run ends past file
+ * offset next_at, the eventfd of ckptfs_fuse_read_ahead_fd turns readable
+ * and ckptfs_fuse_read_wanted reports ino (once per mark), so the daemon
+ * can publish the next stretch before the reader gets there (UINT64_MAX:
+ * never; nothing is asked before ckptfs_fuse_read_ahead_fd made the fd).
+ * end_is_eof: the table's end is the file's size, so a READ reaching past
+ * it (the kernel asks for whole pages) is answered short. */
+int ckptfs_fuse_read_ahead_fd(void);
+void ckptfs_fuse_read_marks(uint64_t ino, uint64_t next_at, int end_is_eof);
+
+/* Up to n inodes whose reader asked for its next table since the last call,
+ * into inos, and where each reader's run has reached (file offset) into
+ * read_to; how many.  Drains the eventfd. */
+size_t ckptfs_fuse_read_wanted(uint64_t *inos, uint64_t *read_to, size_t n);
+
 /* READs of ino go to the daemon again (no-op if it has no table).  Returns
  * once no READ of ino is queued or being read on the read pool's threads
  * (GIL released while it waits), its retired tables' included: the caller
