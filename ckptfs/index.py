@@ -1090,7 +1090,7 @@ class Index:
         """
         started = time.monotonic()
         try:
-            room = await self._commit_until_room(batch, persist, limiter)
+            await self._commit_until_room(batch, persist, limiter)
         except BaseException as e:  # noqa: BLE001 - any failure makes us read-only
             if isinstance(e, trio.Cancelled):
                 raise
@@ -1106,11 +1106,7 @@ class Index:
         self._renew_read_txn()
         self._committing = None
         self.durable_seq = batch.seq
-        self._promised_total -= batch.promised_bytes
-        if room is not None:
-            self.room_bytes = room
         self.stalled = None
-        self._note_room()
         elapsed = time.monotonic() - started
         self.commits += 1
         self.commit_seconds_total += elapsed
@@ -1122,12 +1118,30 @@ class Index:
             fn()
         self._durable_changed.set()
         self._durable_changed = trio.Event()
+        # The room the batch left, measured once its waiters are told (off
+        # their fsync's path) and before the next transaction (the reserve's
+        # upkeep writes past the last page: only between transactions). Until
+        # then its growth stays promised: the room counted is less than there is.
+        await self._measure_room(limiter)
+        self._promised_total -= batch.promised_bytes
+        self._note_room()
         return True
+
+    async def _measure_room(self, limiter: trio.CapacityLimiter) -> None:
+        """`_refill_reserve` on a worker thread after a commit (no reserve: nothing)."""
+        if self.room_bytes is None:
+            return
+        with trio.CancelScope(shield=True):     # short, and the accounting needs it
+            try:
+                self.room_bytes = await trio.to_thread.run_sync(self._refill_reserve,
+                                                                limiter=limiter)
+            except OSError as e:
+                log.warning("could not measure the index's room: %s", e)
 
     async def _commit_until_room(self, batch: Batch,
                                  persist: Callable[[list[tuple[int, int]]], None],
-                                 limiter: trio.CapacityLimiter) -> Optional[int]:
-        """Commit batch, retrying while its disk has no room; return the room after it.
+                                 limiter: trio.CapacityLimiter) -> None:
+        """Commit batch, retrying while its disk has no room.
 
         Retrying is safe: LMDB aborted the failed transaction, so the durable
         index is still the one before this batch, and nothing newer commits
@@ -1202,10 +1216,9 @@ class Index:
         self._urgent.set()
 
     def _write_batch(self, batch: Batch, persist: Callable[[list[tuple[int, int]]], None]
-                     ) -> Optional[int]:
+                     ) -> None:
         """Worker thread: persist log data, then one durable LMDB transaction.
 
-        Returns the room left for growth afterwards (None without a reserve).
         Raises IndexFull when the index's disk had no room (the transaction
         was aborted: it may be retried), anything else when it may not.
         """
@@ -1227,7 +1240,7 @@ class Index:
         if flushing is not None:
             batch.redo_flushed = flushing
         if not batch.ops and batch.redo is None and not batch.redo_flushed:
-            return None
+            return
         redo_no = self._redo_next
         try:
             with self.env.begin(write=True) as txn:
@@ -1259,13 +1272,6 @@ class Index:
             self._redo[redo_no] = [(off, length) for off, length, _ in batch.log_chunks]
             self._redo_bytes += sum(length for _, length, _ in batch.log_chunks)
             self._redo_next = redo_no + 1
-        if self.room_bytes is None:
-            return None
-        try:
-            return self._refill_reserve()
-        except OSError as e:
-            log.warning("could not measure the index's room: %s", e)
-            return self.room_bytes
 
     @staticmethod
     def _without_redo(batch: Batch) -> None:

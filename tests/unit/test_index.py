@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import trio
 
@@ -215,6 +216,62 @@ def test_add_chunks_in_bulk_puts_what_add_chunk_puts_one_by_one(tmp_path):
     assert seen[1] == seen[0]
 
 
+def test_a_commit_is_durable_for_its_waiters_before_the_room_is_measured(tmp_path):
+    """The reserve's upkeep after a commit (measuring the room, writing zeros
+    ahead) runs after the commit's waiters are told, not on their fsync's
+    path; the next transaction waits for it, and until it is done the
+    batch's growth stays promised (the room counted is never more than there
+    is)."""
+    index = Index(str(tmp_path / "index"))
+    index.keep_reserve()
+    real_refill = index._refill_reserve
+    upkeep: list[tuple[float, float]] = []
+    commits: list[float] = []
+
+    def slow_refill():
+        started = time.monotonic()
+        time.sleep(0.3)
+        try:
+            return real_refill()
+        finally:
+            upkeep.append((started, time.monotonic()))
+
+    write_batch = index._write_batch
+
+    def timed_write_batch(batch, persist):
+        commits.append(time.monotonic())
+        return write_batch(batch, persist)
+
+    index._refill_reserve = slow_refill
+    index._write_batch = timed_write_batch
+    waited: list[float] = []
+    promised_after_wait: list[int] = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(index.run_committer, lambda ranges: None,
+                               trio.CapacityLimiter(1))
+            for batch in range(3):
+                index.admit(10_000)
+                index._put("xattrs", keys(batch), bytes(3000))
+                t0 = time.monotonic()
+                await index.wait_durable(index.current_seq())
+                waited.append(time.monotonic() - t0)
+                promised_after_wait.append(index._promised_total)
+                await trio.sleep(0.4)      # the writer's own work before its next fsync
+            index.stop()
+
+    trio.run(main)
+    assert all(w < 0.25 for w in waited), waited
+    assert promised_after_wait[0] >= 10_000       # still promised while the room is measured
+    assert index._promised_total == 0
+    # Each transaction after the first began once the upkeep before it ended.
+    ends = [end for _, end in upkeep]
+    for begun in commits[1:]:
+        assert any(end <= begun for end in ends)
+    index.close()
+
+
 def test_space_past_the_last_page_is_written_not_only_allocated(tmp_path):
     """LMDB's next pages land on written blocks (zeros flushed once), so a
     commit's fdatasync needs no journal commit for unwritten extents: ext4
@@ -227,6 +284,16 @@ def test_space_past_the_last_page_is_written_not_only_allocated(tmp_path):
         return os.lseek(index._data_fd, used, os.SEEK_HOLE) - used
 
     assert written_ahead() >= ix.WRITTEN_AHEAD_BYTES // 2
+    # What matters is the space ahead when a transaction writes its pages
+    # (the upkeep runs after the waiters of the one before are told).
+    ahead_at_commit: list[int] = []
+    write_batch = index._write_batch
+
+    def checked(batch, persist):
+        ahead_at_commit.append(written_ahead())
+        return write_batch(batch, persist)
+
+    index._write_batch = checked
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -236,10 +303,12 @@ def test_space_past_the_last_page_is_written_not_only_allocated(tmp_path):
                 for k in range(100):
                     index._put("xattrs", keys(batch * 100 + k), bytes(3000))
                 await index.wait_durable(index.current_seq())
-                assert written_ahead() >= ix.WRITTEN_AHEAD_BYTES // 2
             index.stop()
 
     trio.run(main)
+    assert len(ahead_at_commit) >= 40
+    assert min(ahead_at_commit) >= ix.WRITTEN_AHEAD_BYTES // 2
+    assert written_ahead() >= ix.WRITTEN_AHEAD_BYTES // 2
     size = os.fstat(index._data_fd).st_size
     assert (index.env.info()["last_pgno"] + 1) * index.env.stat()["psize"] > ix.WRITTEN_AHEAD_BYTES
     assert size > ix.WRITTEN_AHEAD_BYTES
