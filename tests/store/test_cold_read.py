@@ -62,14 +62,19 @@ def test_a_sequential_cold_reader_is_read_ahead_farther_than_the_kernel(make_mou
 
 def test_every_read_the_daemon_serves_tops_the_look_ahead_up(make_mount, monkeypatch):
     # Most READs of a cold file are answered in C; the few the daemon serves
-    # must each bring the look-ahead back to its full depth (32 MiB), not only
-    # once half of it is left: with the top-up at half, a reader caught up
-    # with the fetches at every refill. Every READ goes to the daemon here
-    # (the fast path off), the kernel's read-ahead off.
+    # must each bring the look-ahead back to its full depth, not only once
+    # half of it is left: with the top-up at half, a reader caught up with
+    # the fetches at every refill. Every READ goes to the daemon here (the
+    # fast path off), the kernel's read-ahead off.
+    from ckptfs.chunkread import AHEAD_STEP_BYTES
+    from ckptfs.tierplan import TierPolicy
+
+    depth_mib = TierPolicy().prefetch_bytes // MiB
+    step_mib = AHEAD_STEP_BYTES // MiB
     monkeypatch.setenv("CKPTFS_NO_FASTPATH", "1")
-    m = make_mount(options=["pmem_size=256M"])
-    size = 64 * MiB
-    data = incompressible(size, 4)
+    m = make_mount(options=["pmem_size=512M"])
+    size_mib = depth_mib * 5 // 2
+    data = incompressible(size_mib * MiB, 4)
     write_file(m.path / "cold.bin", data)
     tier_now(m)
     m.remount()
@@ -79,14 +84,18 @@ def test_every_read_the_daemon_serves_tops_the_look_ahead_up(make_mount, monkeyp
         return m.stat()["cold_fetches"]
     with open(m.path / "cold.bin", "rb", buffering=0) as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-        assert f.read(MiB) == data[:MiB]            # the look-ahead: to 33 MiB
-        assert wait_for(lambda: fetched() >= chunks * 31 // 64, timeout_s=30)
-        for k in range(1, 11):                      # READs ending at 2..11 MiB
+        assert f.read(MiB) == data[:MiB]            # the look-ahead: to 1 + depth MiB
+        assert wait_for(lambda: fetched() >= chunks * (depth_mib - 1) // size_mib,
+                        timeout_s=30)
+        # READs ending at 2 .. 2 * step + 3 MiB: each that finds less than
+        # depth - step ahead tops it up (at least twice here); a top-up only
+        # at half the depth would not have come yet.
+        last = 2 * step_mib + 3
+        for k in range(1, last):
             assert f.read(MiB) == data[k * MiB:(k + 1) * MiB]
-        # Topped up to 11 + 32 MiB (at least 39 MiB: steps of 4 MiB).
-        want = chunks * 38 // 64
+        want = chunks * (last + depth_mib - step_mib) // size_mib
         assert wait_for(lambda: fetched() >= want, timeout_s=20), \
-            f"{fetched()} of {chunks} chunks fetched after reading 11 MiB, want {want}"
+            f"{fetched()} of {chunks} chunks fetched after reading {last} MiB, want {want}"
     m.umount()
 
 
