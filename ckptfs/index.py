@@ -1707,6 +1707,22 @@ def add_chunk(kv, chunk: Chunk) -> None:
     kv.adjust_counter(b"chunks", 1)
 
 
+def more_refs(kv, chunk_no: int, delta: int) -> bool:
+    """Add delta (> 0) to a stored chunk's refcount, its record otherwise
+    untouched (the head every kind shares; no decode of the rest): a
+    commit's split extents. False if there is no such record."""
+    key = u64(chunk_no)
+    raw = kv._get("chunks", key)
+    if raw is None or len(raw) < _CHUNK_HEAD.size:
+        return False
+    kind, refcount, length = _CHUNK_HEAD.unpack_from(raw)
+    if refcount + delta <= 0:
+        return False            # a damaged count: the caller's full path decides
+    kv._put("chunks", key, _CHUNK_HEAD.pack(kind, refcount + delta, length)
+            + raw[_CHUNK_HEAD.size:])
+    return True
+
+
 def put_chunk(kv, chunk: Chunk) -> None:
     """Update a chunk that is already stored (refcount, original names)."""
     kv._put("chunks", u64(chunk.chunk_no), chunk.encode())

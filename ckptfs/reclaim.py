@@ -90,6 +90,8 @@ class Reclaimer:
             zombie.refcount = delta
             ix.add_chunk(self.index, zombie)
             return
+        if delta > 0 and ix.more_refs(self.index, chunk_no, delta):
+            return                  # more references: nothing else changes
         chunk = self.chunk(chunk_no)
         chunk.refcount += delta
         if chunk.refcount > 0:

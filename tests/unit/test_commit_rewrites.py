@@ -21,11 +21,13 @@ FILE_BYTES = 4 * MiB
 @pytest.fixture
 def commit_work(monkeypatch) -> dict[str, int]:
     """Chunkers made and log reads done by the commit-time cut, scans of
-    committed extent maps, and the committer's log reads for the index's copy
-    of a small batch's bytes (`logredo`) (counted, not replaced)."""
-    counts = {"chunkers": 0, "reads": 0, "map_scans": 0, "redo_reads": 0}
+    committed extent maps, the committer's log reads for the index's copy of
+    a small batch's bytes (`logredo`), and chunk records decoded (counted,
+    not replaced)."""
+    counts = {"chunkers": 0, "reads": 0, "map_scans": 0, "redo_reads": 0, "chunk_decodes": 0}
     real_chunker, real_read = staging.BatchChunker, PmemLog.read_unverified_into
     real_scan, real_read_raw = ix.iter_extents, PmemLog.read_raw
+    real_decode = ix.Chunk.decode.__func__
 
     class CountedChunker(real_chunker):
         def __init__(self, *args, **kw):
@@ -45,6 +47,11 @@ def commit_work(monkeypatch) -> dict[str, int]:
         counts["redo_reads"] += 1
         return real_read_raw(self, off, length)
 
+    def decode(cls, chunk_no, raw):
+        counts["chunk_decodes"] += 1
+        return real_decode(cls, chunk_no, raw)
+
+    monkeypatch.setattr(ix.Chunk, "decode", classmethod(decode))
     monkeypatch.setattr(ix, "iter_extents", scan)
     monkeypatch.setattr(PmemLog, "read_raw", read_raw)
     monkeypatch.setattr(staging, "BatchChunker", CountedChunker)
@@ -75,9 +82,11 @@ def test_a_cycle_of_small_rewrites_is_cut_without_a_chunker_each(inproc, commit_
     one native call over one read of the log (they lie next to each other
     there), not a chunker and a read per rewrite, and punches each out of
     the committed map with a lookup of the one extent holding it, not a scan
-    each; the file reads back right, and fsck finds every record right
-    after a crash. The committer reads the chunks' bytes for the index's copy
-    of them (`logredo`) in one read per run adjacent in the log too."""
+    each, and counts the reference the split extent's chunk gains without
+    decoding its record; the file reads back right, and fsck finds every
+    record (refcounts included) right after a crash. The committer reads the
+    chunks' bytes for the index's copy of them (`logredo`) in one read per
+    run adjacent in the log too."""
     rng = random.Random(5)
     expect = bytearray(rng.randbytes(FILE_BYTES))
     fs = inproc(["pmem_size=64M"])
@@ -88,6 +97,10 @@ def test_a_cycle_of_small_rewrites_is_cut_without_a_chunker_each(inproc, commit_
     # The all-zero rewrite is a hole: its log space, between the others', goes
     # back, so the committer reads the other 15 in at most two pieces.
     assert all(cycle.pop("redo_reads") <= 2 for cycle in per_fsync[1:])
+    # The chunk each rewrite splits gains a reference: its record's count
+    # changes, nothing of it is decoded (only a chunk losing its last
+    # reference is: a rewrite over an earlier one).
+    assert all(cycle.pop("chunk_decodes") <= 3 for cycle in per_fsync[1:])
     assert per_fsync[1:] == [{"chunkers": 0, "reads": 1, "map_scans": 0}] * 7
     assert fs.run(lambda fs: fs.read_file("/f")) == expect
     fs.close()                      # as a crash leaves it: nothing more flushed
