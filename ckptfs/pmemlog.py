@@ -449,10 +449,6 @@ class PmemLog:
         raise DamagedData(f"extent {block} of a read plan cannot be one ckptfs wrote "
                           f"(log offset {log_off})")
 
-    def read_raw(self, off: int, length: int) -> bytes:
-        """Unverified bytes (fsck and tests). May block."""
-        return os.pread(self.fd, length, off)
-
     def read_unverified_into(self, out: memoryview, off: int) -> None:
         """Bytes of data not yet cut into chunks (no CRCs yet). May block."""
         self._read_exact(out, off)
