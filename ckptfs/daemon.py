@@ -535,6 +535,10 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
         log.debug("FUSE channel fast path: %s", "on" if fastpath.hooked() else "off")
         if fastpath.hooked():
             fs.files.reader.publish_to(fastpath)     # READs of read windows answered in C
+            if merged is None and fastpath.writes_wanted():
+                # A stream's next WRITEs answered in C, folded in before any Python runs.
+                fastpath.write_folder(lambda extents: fs.files.fold_written(extents, fs.now_ns))
+                fs.files.stager.publish_windows(fastpath)
         trio.run(_run, fs, opts, ready_fd, sock_path, attempt, metrics, merged, ops)
     except (CkptfsError, OSError) as e:
         log.error("%s", e)

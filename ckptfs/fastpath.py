@@ -15,7 +15,12 @@ has fetched and verified, from the cold table the reader publishes of them
 (`cold_publish`: native/ckptfs_coldtable.h). A table's mark (`read_marks`)
 tells the daemon when a sequential reader nears its end
 (`serve_read_ahead`), so the next one is published before the reader
-gets there.
+gets there. And it answers WRITEs of files whose write window the daemon opened (`write_window`: a file written front
+to back, log space reserved for its next bytes): the payload goes into the
+log from the request buffer, the extent is kept pending, and before the C
+module returns to the interpreter it calls the daemon's folder
+(`write_folder`), which takes them (`write_take`) into the files' changes.
+A request it passes on closes the window of the inode it touches first.
 
 In a process that loaded pyfuse3 first (tests that import the adapter) the
 fast path cannot install itself: `hooked()` stays False and every request
@@ -50,6 +55,7 @@ finally:
 
 CAPS_XATTR = b"security.capability"
 DISABLE_ENV = "CKPTFS_NO_FASTPATH"     # "1": leave every request to pyfuse3 (A/B runs)
+WRITES_DISABLE_ENV = "CKPTFS_NO_FAST_WRITES"   # "1": WRITEs to pyfuse3, the rest as above
 
 # linux/fuse.h opcodes, for the counters' names.
 OPCODES = {
@@ -64,7 +70,7 @@ OPCODES = {
     48: "SETUPMAPPING", 49: "REMOVEMAPPING", 50: "SYNCFS", 51: "TMPFILE", 52: "STATX",
 }
 _N_OPCODES = 64
-_N_COUNTERS = _N_OPCODES + 11
+_N_COUNTERS = _N_OPCODES + 14
 
 
 def want(on: bool = True) -> None:
@@ -231,6 +237,69 @@ async def _answer_handback(read: Callable[[int, int, int], Awaitable[tuple[int, 
         lib.ckptfs_fuse_reply(unique, err, buf, 0 if err else len(data))
 
 
+def writes_wanted() -> bool:
+    """May WRITEs be answered in C (the fast path on, not turned off by
+    CKPTFS_NO_FAST_WRITES=1)?"""
+    return hooked() and hasattr(lib, "ckptfs_fuse_write_window") \
+        and os.environ.get(WRITES_DISABLE_ENV) != "1"
+
+
+def write_window(ino: int, log_fd: int, file_off: int, log_off: int, log_end: int) -> bool:
+    """WRITEs of ino at file_off (then where each one ended) may be answered
+    in C, their bytes written at log_off on (up to log_end) of log_fd, until
+    the window closes: `write_close`, or a request about ino (or a rename,
+    unlink, ... that could touch it) that the C module passes on. False (no
+    window) when the fast path is off or every slot is taken."""
+    if not hooked() or not hasattr(lib, "ckptfs_fuse_write_window"):
+        return False
+    return lib.ckptfs_fuse_write_window(ino, log_fd, file_off, log_off, log_end) == 0
+
+
+def write_close(ino: int) -> None:
+    """No more WRITEs of ino answered in C (those answered are taken by the folder)."""
+    if lib is not None and hasattr(lib, "ckptfs_fuse_write_close"):
+        lib.ckptfs_fuse_write_close(ino)
+
+
+_folder = None          # the cffi callback: kept alive while the C module may call it
+
+
+def write_folder(fold: Optional[Callable[[list[tuple[int, int, int, int]]], None]]) -> None:
+    """fold(extents) is called with the WRITEs answered in C, (ino, file
+    offset, log offset, length) in the order they were answered, before
+    the C module returns to the interpreter (so nothing on the trio thread
+    sees one not folded). It must not raise or block. None: no folder (and
+    no window may be open then)."""
+    global _folder
+    if lib is None or not hasattr(lib, "ckptfs_fuse_write_folder"):
+        return
+    if fold is None:
+        lib.ckptfs_fuse_write_folder(0)
+        _folder = None
+        return
+    out = ffi.new("ckptfs_fuse_wextent[]", 256)
+
+    def take() -> None:
+        extents = []
+        while True:
+            k = lib.ckptfs_fuse_write_take(out, 256)
+            extents.extend((int(out[i].ino), int(out[i].file_off), int(out[i].log_off),
+                            int(out[i].length)) for i in range(k))
+            if k < 256:
+                break
+        if extents:
+            fold(extents)
+
+    _folder = ffi.callback("void(void)", take, onerror=_fold_failed)
+    lib.ckptfs_fuse_write_folder(int(ffi.cast("uintptr_t", _folder)))
+
+
+def _fold_failed(exc_type, exc, tb) -> None:
+    # The folder itself catches what a fold raises; this is the last resort.
+    import logging
+    logging.getLogger(__name__).error("folding WRITEs answered in C failed: %r", exc)
+
+
 def read_bytes() -> int:
     """File bytes the fast path has answered READs with (cold ones too). Any thread."""
     if lib is None:
@@ -249,7 +318,8 @@ def stats() -> dict[str, object]:
     """For `ckptfs stat`: is the fast path on, the requests read from the kernel
     since the mount by name, WRITE payload bytes, the GETXATTRs and READs
     answered in C (of those, READs read on the pool's threads), READs passed
-    on and handed back, and withdrawals that waited for the pool. Counted
+    on and handed back, withdrawals that waited for the pool, and the WRITEs
+    answered in C, their bytes, and WRITEs of a file with a window passed on. Counted
     only while the fast path is on. Any thread."""
     if lib is None:
         return {"fuse_fastpath": False, "fuse_requests": {}, "fuse_write_bytes": 0,
@@ -257,7 +327,9 @@ def stats() -> dict[str, object]:
                 "fuse_read_bytes_in_c": 0, "fuse_read_passed_on": 0,
                 "fuse_cold_read_answered_in_c": 0, "fuse_cold_read_bytes_in_c": 0,
                 "fuse_cold_read_passed_on": 0, "fuse_read_waited_in_c": 0,
-                "fuse_read_handed_back": 0, "fuse_read_withdrawals_waited": 0}
+                "fuse_read_handed_back": 0, "fuse_read_withdrawals_waited": 0,
+                "fuse_write_answered_in_c": 0, "fuse_write_bytes_in_c": 0,
+                "fuse_write_passed_on": 0}
     cold = _cold_counters()
     out = ffi.new("uint64_t[]", _N_COUNTERS)
     lib.ckptfs_fuse_counters(out, _N_COUNTERS)
@@ -274,4 +346,7 @@ def stats() -> dict[str, object]:
             "fuse_cold_read_passed_on": cold[2],
             "fuse_read_waited_in_c": int(out[_N_OPCODES + 7]),
             "fuse_read_handed_back": int(out[_N_OPCODES + 9]),
-            "fuse_read_withdrawals_waited": int(out[_N_OPCODES + 10])}
+            "fuse_read_withdrawals_waited": int(out[_N_OPCODES + 10]),
+            "fuse_write_answered_in_c": int(out[_N_OPCODES + 11]),
+            "fuse_write_bytes_in_c": int(out[_N_OPCODES + 12]),
+            "fuse_write_passed_on": int(out[_N_OPCODES + 13])}

@@ -45,7 +45,7 @@ from .overlay import ZERO_CHUNK
 from .pmemlog import PmemLog
 from .reclaim import Reclaimer
 from .sources import SourceFiles
-from .staging import WriteStager
+from .staging import INLINE_BYTES, WriteStager
 
 if TYPE_CHECKING:
     from .coldstore import ColdStore, Prefetcher
@@ -245,8 +245,15 @@ class FileData:
                         raise
                     else:
                         df.touch(clock())
+                        if plan.stream is not None and len(data) > INLINE_BYTES:
+                            # The stream's next writes may be answered in C
+                            # (behind this one in the log and the feed's order);
+                            # small ones stay fed inline, with no task.
+                            self.stager.open_window(df)
                         await self.stager.store(df, plan, data)
                         self.bytes_written += len(data)
+                        if plan.stream is not None and len(data) > INLINE_BYTES:
+                            self.stager.open_window(df)     # the feed's backlog went down
                         return
             except FileRetired:
                 # A commit dropped the file's changes while this write waited for
@@ -266,6 +273,44 @@ class FileData:
                 e = NoSpace("the file changed while waiting for log space")
                 self._lost_write(df, e)
                 raise e
+
+    def fold_written(self, extents: list[tuple[int, int, int, int]],
+                     clock: Callable[[], int]) -> None:
+        """WRITEs the fast path answered in C, (ino, file offset, log offset,
+        length) in the order answered, into their files' changes as `write`
+        would have put them (clock() the new mtime); then their windows again.
+        Never raises: a WRITE that cannot be folded (the window should have
+        closed first) marks its file, whose commit then fails as after a
+        lost write."""
+        touched: dict[int, DirtyFile] = {}
+        now_ns = clock()
+        for ino, file_off, log_off, length in extents:
+            df = self.dirty_files.get(ino)
+            try:
+                if df is None or not self.stager.fold_written(df, file_off, log_off, length):
+                    raise CkptfsError(f"inode {ino}: a write answered in C at file offset "
+                                      f"{file_off} is not where its stream is (internal error)")
+            except Exception as e:        # noqa: BLE001 - called from C: must not raise
+                log.error("%s", e)
+                if df is not None:
+                    if df.write_error is None:
+                        df.write_error = e
+                    self.stager.end_stream(df)
+                continue
+            df.touch(now_ns)
+            self.bytes_written += length
+            touched[ino] = df
+        try:
+            # Room and writability as a write checks them: else the next WRITE
+            # goes to `write`, which says ENOSPC or EROFS.
+            self.index.check_writable()
+            self.index.check_room()
+        except CkptfsError:
+            for df in touched.values():
+                self.stager.close_window(df)
+            return
+        for df in touched.values():
+            self.stager.open_window(df)
 
     def _lost_write(self, df: DirtyFile, e: CkptfsError) -> None:
         df.write_error = e

@@ -25,6 +25,18 @@ like any other: a read or a commit of the file waits for the feed
 the feed ends loses only bytes no fsync or close covered. At most
 FEED_BACKLOG_BYTES wait for the feed; a write past that waits for it.
 
+With the FUSE channel's fast path on, a stream's next writes are answered
+in C (native/ckptfs_fuse.h): after a stream write the stager opens the
+file's *write window* (`open_window`: where the stream's next write starts,
+the arena space it may fill, no more than the feed backlog allows), the C
+module writes each WRITE that continues the stream into that space and
+answers it, and before it returns to the interpreter the daemon folds them
+in (`fold_written`: the overlay, the stream's position, a ticket for the
+feed, which reads their bytes back from the log) exactly as `prepare_write`
+and `store` would have. The window closes whenever anything else may
+change the stream (`end_stream`, a commit's cut) and, in C, with any other
+request about the file.
+
 The stager decides what runs on a worker thread: byte work over
 INLINE_BYTES (a small stream write whose turn has come is fed inline, with no
 task); a large write's copy into a log file goes to the log writer's C
@@ -38,7 +50,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar, Union
 
 import trio
 
@@ -63,6 +75,7 @@ CUT_READ_BYTES = 4 << 20         # commit-time cutting reads staged bytes this m
 INLINE_BYTES = 64 * 1024         # byte work up to this size runs on the trio thread
 FEED_BACKLOG_BYTES = 32 << 20    # stream bytes answered but not yet fed, at most
 FEED_CALL_BYTES = 8 << 20        # fed in one worker-thread call, at most
+FOLD_PIECE_BYTES = 2 << 20       # writes answered in C are fed in pieces of this much
 
 
 @dataclass(eq=False)
@@ -171,10 +184,11 @@ class ChunkStream:
     tickets: int = 0                 # handed out so far
     next_ticket: int = 0             # whose turn it is to feed the chunker
     # ticket -> (plan, data) of writes in the log waiting for the feed
-    ready: dict[int, tuple["WritePlan", bytes]] = field(default_factory=dict)
+    ready: dict[int, tuple["WritePlan", Union[bytes, LogBytes]]] = field(default_factory=dict)
     ready_bytes: int = 0
     feeding: bool = False            # the feed task runs
     fed: trio.Event = field(default_factory=trio.Event)   # set (and replaced) per feed call
+    scratch: bytearray = field(default_factory=bytearray)  # the feed's reads of LogBytes
 
     def stop(self) -> None:
         """No more feeding: what is not fed yet is cut at commit."""
@@ -188,6 +202,32 @@ class ChunkStream:
         i = bisect.bisect_right(self.segments, (file_off, 1 << 64, 0)) - 1
         seg_file, seg_log, staged_no = self.segments[i]
         return seg_log + (file_off - seg_file), staged_no
+
+
+class LogBytes:
+    """Stream bytes already in the log (a WRITE the fast path answered):
+    the feed reads them back from the log's page cache."""
+
+    __slots__ = ("log_off", "length")
+
+    def __init__(self, log_off: int, length: int) -> None:
+        self.log_off = log_off
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    class WindowPublisher(Protocol):
+        """Where write windows are opened (fastpath.py's functions)."""
+
+        def write_window(self, ino: int, log_fd: int, file_off: int, log_off: int,
+                         log_end: int) -> bool: ...
+
+        def write_close(self, ino: int) -> None: ...
 
 
 @dataclass
@@ -216,12 +256,74 @@ class WriteStager:
         # Large writes' copies into a log file: C threads (a DAX log's are memory copies).
         self.writer = LogWriter(plog) if plog.threaded_writes and not plog.dax else None
         self._next_staged = -1
+        # The fast path's write windows (`open_window`), when it answers WRITEs.
+        self.windows: Optional["WindowPublisher"] = None
         self.dedup_hits = 0                       # chunks found already stored
         self.dedup_bytes = 0                      # their bytes, not stored again
 
     def count_duplicate(self, nbytes: int) -> None:
         self.dedup_hits += 1
         self.dedup_bytes += nbytes
+
+    # ------------------------------------------------------- write windows
+
+    def publish_windows(self, windows: Optional["WindowPublisher"]) -> None:
+        """Let the fast path answer streams' next writes (a log on a file only:
+        the C module writes with pwrite, as the log writer's threads do)."""
+        self.windows = windows if self.writer is not None and self.dedup else None
+
+    def open_window(self, df: DirtyFile) -> None:
+        """After a stream write of df (its bytes in the log, handed to the
+        feed) or a fold: the fast path may answer the stream's next writes in
+        the arena space left, up to what the feed backlog allows."""
+        if self.windows is None:
+            return
+        stream = df.stream
+        if stream is None or not stream.alive or stream.arena is None or df.retired:
+            self.windows.write_close(df.ino)
+            return
+        arena = stream.arena
+        room = min(arena.log_off + arena.length - stream.cursor,
+                   FEED_BACKLOG_BYTES - stream.ready_bytes,
+                   MAX_FILE_BYTES - stream.next_off)
+        if room <= 0:
+            self.windows.write_close(df.ino)
+            return
+        self.windows.write_window(df.ino, self.log.fd, stream.next_off, stream.cursor,
+                                  stream.cursor + room)
+
+    def close_window(self, df: DirtyFile) -> None:
+        """No more of df's writes answered in C. None can be pending: the C
+        module folds them before any Python runs on the trio thread."""
+        if self.windows is not None:
+            self.windows.write_close(df.ino)
+
+    def fold_written(self, df: DirtyFile, file_off: int, log_off: int, length: int) -> bool:
+        """A stream write the fast path answered (its bytes at log_off, in
+        the window `open_window` gave): into the overlay and the feed's order
+        as `prepare_write` and `store` put one. False if the stream is not
+        where the window said (the window should have closed: the bytes are
+        in the log, but the file cannot name them)."""
+        stream = df.stream
+        arena = stream.arena if stream is not None else None
+        if stream is None or arena is None or not stream.alive or df.retired \
+                or file_off != stream.next_off or log_off != stream.cursor \
+                or log_off + length > arena.log_off + arena.length:
+            return False
+        stream.cursor += length
+        stream.next_off += length
+        df.overlay.put(Extent(file_off, length, arena.chunk_no, log_off - arena.log_off))
+        df.size = max(df.size, file_off + length)
+        # Fed in pieces: the feed's read-back buffer stays small.
+        for at in range(0, length, FOLD_PIECE_BYTES):
+            n = min(FOLD_PIECE_BYTES, length - at)
+            plan = WritePlan(file_off + at, [(log_off + at, 0, n)], [None], stream, 0,
+                             stream.tickets)
+            stream.tickets += 1
+            stream.ready[plan.ticket] = (plan, LogBytes(log_off + at, n))
+        stream.ready_bytes += length
+        self._start_feed(df, stream)
+        return True
 
     # ------------------------------------------------------------- a write
 
@@ -302,13 +404,16 @@ class WriteStager:
         is not running, and wait while too much waits to be fed."""
         stream.ready[plan.ticket] = (plan, data)
         stream.ready_bytes += len(data) - plan.stream_pos
+        self._start_feed(df, stream)
+        while stream.alive and stream.ready_bytes > FEED_BACKLOG_BYTES:
+            await stream.fed.wait()
+
+    def _start_feed(self, df: DirtyFile, stream: ChunkStream) -> None:
         if not stream.feeding:
             stream.feeding = True
             df.feed_begins()
             trio.lowlevel.spawn_system_task(self._feed_behind, df, stream,
                                             name="ckptfs stream feed")
-        while stream.alive and stream.ready_bytes > FEED_BACKLOG_BYTES:
-            await stream.fed.wait()
 
     async def _feed_behind(self, df: DirtyFile, stream: ChunkStream) -> None:
         """Feed the stream's ready writes in ticket order, a worker-thread call
@@ -319,7 +424,7 @@ class WriteStager:
         failure marks the file, whose commit then fails, as a failed write does."""
         try:
             while stream.alive:
-                jobs: list[tuple[WritePlan, bytes]] = []
+                jobs: list[tuple[WritePlan, Union[bytes, LogBytes]]] = []
                 nbytes = 0
                 ticket = stream.next_ticket
                 while ticket in stream.ready and nbytes < FEED_CALL_BYTES:
@@ -349,7 +454,8 @@ class WriteStager:
     async def cut_for_commit(self, df: DirtyFile) -> None:
         """Cut every byte of df not yet cut into chunks and store each once:
         the stream's unfinished tail, then whatever was written out of order.
-        New writes to the file wait meanwhile."""
+        New writes to the file wait meanwhile (none is answered in C)."""
+        self.close_window(df)
         async with df.cutting():
             stream = df.stream
             if stream is not None and stream.alive and stream.chunker.position:
@@ -448,6 +554,7 @@ class WriteStager:
 
     def end_stream(self, df: DirtyFile) -> None:
         """Stop cutting df's writes as they arrive; what is left is cut at commit."""
+        self.close_window(df)
         stream = df.stream
         if stream is None:
             return
@@ -481,7 +588,8 @@ class WriteStager:
             else:
                 chunk.crcs = self.log.store(log_off, view[pos:pos + length])
 
-    def feed_blocking(self, stream: ChunkStream, jobs: list[tuple[WritePlan, bytes]],
+    def feed_blocking(self, stream: ChunkStream,
+                      jobs: list[tuple[WritePlan, Union[bytes, LogBytes]]],
                       behind: bool = False) -> ChunkBatch:
         """Cut and name the chunks that consecutive stream writes (from the
         stream's next ticket on, in order) complete. May block: CPU work.
@@ -496,10 +604,17 @@ class WriteStager:
             stream.next_ticket += 1
             if plan.cut_at is not None:
                 stream.chunker.add_boundaries([plan.cut_at - stream.base])
+            if isinstance(data, LogBytes):
+                # Answered in C: its bytes are in the log (and its page cache).
+                if len(stream.scratch) < data.length:
+                    stream.scratch = bytearray(FOLD_PIECE_BYTES)
+                view = memoryview(stream.scratch)[:data.length]
+                self.log.read_unverified_into(view, data.log_off)
+            else:
+                view = memoryview(data)[plan.stream_pos:]
             # One native pass names every chunk the write completes; a chunk
             # begun by earlier writes was hashed as they passed, nothing is read back.
-            self._locate(stream, stream.chunker.feed_named(memoryview(data)[plan.stream_pos:]),
-                         batch)
+            self._locate(stream, stream.chunker.feed_named(view), batch)
         return batch
 
     def finish_stream_blocking(self, stream: ChunkStream) -> ChunkBatch:

@@ -32,6 +32,11 @@
 #define FP_FAST_READS (FP_OPCODES + 4)
 #define FP_FAST_READ_BYTES (FP_OPCODES + 5)
 #define FP_READS_PASSED (FP_OPCODES + 6)
+/* After the read pool's four (ckptfs_fuse_counters' out[71..74]). */
+#define FP_FAST_WRITES 0
+#define FP_FAST_WRITE_BYTES 1
+#define FP_WRITES_PASSED 2
+#define FP_WCOUNTERS 3
 
 /* How many requests one read may answer itself before it hands one to
  * libfuse or gives the event loop its turn, and for how long at most. */
@@ -94,7 +99,29 @@ static fp_hint_fn hint_extents;
 static uint8_t *reply_buf;          /* FP_READ_MAX bytes, then the executor's scratch */
 static int ahead_fd = -1;           /* readable: a reader wants its next table */
 
+/* Write windows: one per file written front to back (a checkpoint writer
+ * writes a few files at once, shards8 eight). */
+#define FP_WRITE_SLOTS 16
+/* WRITEs answered here and not yet taken; a WRITE that finds it full goes
+ * to the daemon (which takes them first). */
+#define FP_PENDING_MAX 256
+
+typedef struct {
+    uint64_t ino;                   /* 0: a free slot */
+    int fd;
+    uint64_t file_off;              /* where the next WRITE must start */
+    uint64_t log_off, log_end;      /* where its bytes go, the space left */
+} fp_window;
+
+static fp_window windows[FP_WRITE_SLOTS];
+static unsigned n_windows;          /* slots in use: 0 skips every look-up */
+static ckptfs_fuse_wextent pending[FP_PENDING_MAX];
+static size_t n_pending;
+static void (*folder)(void);
+static uint64_t wcounters[FP_WCOUNTERS];
+
 static uint64_t counters[FP_COUNTERS];
+static fp_window *window_of(uint64_t ino);
 static uint64_t caps_absent[FP_SLOTS];
 static int wanted;
 static int hooked;
@@ -114,6 +141,11 @@ static unsigned since_probe;
 static void bump(size_t i, uint64_t by)
 {
     __atomic_fetch_add(&counters[i], by, __ATOMIC_RELAXED);
+}
+
+static void bump_w(size_t i)
+{
+    __atomic_fetch_add(&wcounters[i], 1, __ATOMIC_RELAXED);
 }
 
 static size_t slot_of(uint64_t ino)
@@ -281,7 +313,7 @@ int ckptfs_fuse_init_replied(void)
 
 void ckptfs_fuse_counters(uint64_t *out, size_t n)
 {
-    uint64_t all[FP_COUNTERS + 4];
+    uint64_t all[FP_COUNTERS + 4 + FP_WCOUNTERS];
     for (size_t i = 0; i < FP_COUNTERS; i++)
         all[i] = __atomic_load_n(&counters[i], __ATOMIC_RELAXED);
     uint64_t pool_reads, pool_bytes, handed_back, waits;
@@ -293,8 +325,10 @@ void ckptfs_fuse_counters(uint64_t *out, size_t n)
     all[FP_COUNTERS + 1] = pool_bytes;
     all[FP_COUNTERS + 2] = handed_back;
     all[FP_COUNTERS + 3] = waits;
-    if (n > FP_COUNTERS + 4)
-        n = FP_COUNTERS + 4;
+    for (size_t i = 0; i < FP_WCOUNTERS; i++)
+        all[FP_COUNTERS + 4 + i] = __atomic_load_n(&wcounters[i], __ATOMIC_RELAXED);
+    if (n > FP_COUNTERS + 4 + FP_WCOUNTERS)
+        n = FP_COUNTERS + 4 + FP_WCOUNTERS;
     memcpy(out, all, n * sizeof *out);
 }
 
@@ -436,6 +470,8 @@ static int answer_read(int fd, const struct fuse_in_header *in, size_t len)
     if (in->opcode != FUSE_READ || len < sizeof *in + sizeof(struct fuse_read_in))
         return 0;
     const struct fuse_read_in *rd = (const struct fuse_read_in *)(in + 1);
+    if (window_of(in->nodeid) != NULL)
+        return 0;               /* being written here: the daemon reads it */
     fp_table *t = table_of(in->nodeid);
     if (t == NULL || in->nodeid == 0 || read_extents == NULL || !t->active)
         /* Not a log window: maybe cold chunks already fetched and verified. */
@@ -489,6 +525,172 @@ static int answer_read(int fd, const struct fuse_in_header *in, size_t len)
     return 1;
 }
 
+/* ------------------------------------------------------------ write windows */
+
+static fp_window *window_of(uint64_t ino)
+{
+    if (n_windows == 0 || ino == 0)
+        return NULL;
+    for (size_t i = 0; i < FP_WRITE_SLOTS; i++)
+        if (windows[i].ino == ino)
+            return &windows[i];
+    return NULL;
+}
+
+int ckptfs_fuse_write_window(uint64_t ino, int log_fd, uint64_t file_off, uint64_t log_off,
+                             uint64_t log_end)
+{
+    if (!hooked || ino == 0 || log_fd < 0 || log_end < log_off)
+        return -1;
+    fp_window *w = window_of(ino);
+    for (size_t i = 0; w == NULL && i < FP_WRITE_SLOTS; i++)
+        if (windows[i].ino == 0) {
+            w = &windows[i];
+            n_windows++;
+        }
+    if (w == NULL)
+        return -1;
+    *w = (fp_window){.ino = ino, .fd = log_fd, .file_off = file_off, .log_off = log_off,
+                     .log_end = log_end};
+    return 0;
+}
+
+void ckptfs_fuse_write_close(uint64_t ino)
+{
+    fp_window *w = window_of(ino);
+    if (w != NULL) {
+        memset(w, 0, sizeof *w);
+        n_windows--;
+    }
+}
+
+static void close_all_windows(void)
+{
+    memset(windows, 0, sizeof windows);
+    n_windows = 0;
+}
+
+size_t ckptfs_fuse_write_take(ckptfs_fuse_wextent *out, size_t n)
+{
+    if (n > n_pending)
+        n = n_pending;
+    memcpy(out, pending, n * sizeof *out);
+    memmove(pending, pending + n, (n_pending - n) * sizeof *pending);
+    n_pending -= n;
+    return n;
+}
+
+void ckptfs_fuse_write_folder(uintptr_t fn)
+{
+    folder = (void (*)(void))fn;
+}
+
+/* Requests that can change no file but their own nodeid's (or none): any
+ * other one passed on closes every window (an unlink or rename names the
+ * file by its parent, a copy_file_range has a second inode, ...). */
+static int touches_only_nodeid(uint32_t opcode)
+{
+    switch (opcode) {
+    case FUSE_LOOKUP: case FUSE_GETATTR: case FUSE_SETATTR: case FUSE_READLINK:
+    case FUSE_SYMLINK: case FUSE_MKDIR: case FUSE_OPEN: case FUSE_READ: case FUSE_WRITE:
+    case FUSE_STATFS: case FUSE_RELEASE: case FUSE_FSYNC: case FUSE_SETXATTR:
+    case FUSE_GETXATTR: case FUSE_LISTXATTR: case FUSE_REMOVEXATTR: case FUSE_FLUSH:
+    case FUSE_OPENDIR: case FUSE_READDIR: case FUSE_RELEASEDIR: case FUSE_FSYNCDIR:
+    case FUSE_GETLK: case FUSE_SETLK: case FUSE_SETLKW: case FUSE_ACCESS:
+    case FUSE_FALLOCATE: case FUSE_READDIRPLUS: case FUSE_LSEEK: case FUSE_POLL:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* A request goes to the daemon: no WRITE of the file(s) it may touch is
+ * answered here until the daemon opens their windows again. */
+static void passing_on(const struct fuse_in_header *in)
+{
+    if (n_windows == 0)
+        return;
+    if (!touches_only_nodeid(in->opcode)) {
+        close_all_windows();
+        return;
+    }
+    fp_window *w = window_of(in->nodeid);
+    if (w != NULL) {
+        if (in->opcode == FUSE_WRITE)
+            bump_w(FP_WRITES_PASSED);
+        ckptfs_fuse_write_close(in->nodeid);
+    }
+}
+
+/* Answer a WRITE from its file's write window: 1 answered, 0 for the
+ * daemon (no window, not where the window is, does not fit, the pending
+ * list full, a kill-suid flag, the log write failed: the daemon writes it
+ * again into the same space), -1 the session ended. */
+static int answer_write(int fd, const struct fuse_in_header *in, size_t len)
+{
+    if (in->opcode != FUSE_WRITE || len < sizeof *in + sizeof(struct fuse_write_in))
+        return 0;
+    const struct fuse_write_in *wr = (const struct fuse_write_in *)(in + 1);
+    fp_window *w = window_of(in->nodeid);
+    if (w == NULL)
+        return 0;
+    uint64_t size = wr->size;
+    if (size == 0 || len < sizeof *in + sizeof *wr + size || wr->offset != w->file_off
+            || size > w->log_end - w->log_off || n_pending >= FP_PENDING_MAX
+            || (wr->write_flags & ~(uint32_t)(FUSE_WRITE_CACHE | FUSE_WRITE_LOCKOWNER)) != 0)
+        return 0;
+    const uint8_t *data = (const uint8_t *)(wr + 1);
+    uint64_t log_off = w->log_off;
+    PyThreadState *saved = NULL;
+    if (Py_IsInitialized() && PyGILState_Check())
+        saved = PyEval_SaveThread();
+    /* Into the log's page cache; what is durable when stays the daemon's
+     * (a commit persists the chunks it names). */
+    uint64_t done = 0;
+    while (done < size) {
+        ssize_t k = pwrite(w->fd, data + done, (size_t)(size - done), (off_t)(log_off + done));
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            break;
+        done += (uint64_t)k;
+    }
+    ssize_t sent = 0;
+    int e = 0;
+    if (done == size) {
+        struct fuse_out_header out = {
+            .len = sizeof out + sizeof(struct fuse_write_out), .error = 0,
+            .unique = in->unique};
+        struct fuse_write_out wo = {.size = (uint32_t)size};
+        struct iovec iov[2] = {{.iov_base = &out, .iov_len = sizeof out},
+                               {.iov_base = &wo, .iov_len = sizeof wo}};
+        sent = writev(fd, iov, 2);
+        e = errno;
+    }
+    if (saved != NULL)
+        PyEval_RestoreThread(saved);
+    if (done != size)
+        return 0;               /* the daemon writes it (and reports what fails) */
+    /* Recorded whether or not the reply went out: the bytes are in the log
+     * and the kernel may send them again; either way the daemon takes them. */
+    ckptfs_fuse_wextent *last = n_pending ? &pending[n_pending - 1] : NULL;
+    if (last != NULL && last->ino == in->nodeid && last->file_off + last->length == wr->offset
+            && last->log_off + last->length == log_off)
+        last->length += size;
+    else
+        pending[n_pending++] = (ckptfs_fuse_wextent){
+            .ino = in->nodeid, .file_off = wr->offset, .log_off = log_off, .length = size};
+    w->file_off += size;
+    w->log_off += size;
+    if (sent < 0 && e == ENODEV) {
+        errno = ENODEV;
+        return -1;              /* unmounted: libfuse ends the session */
+    }
+    bump_w(FP_FAST_WRITES);
+    __atomic_fetch_add(&wcounters[FP_FAST_WRITE_BYTES], size, __ATOMIC_RELAXED);
+    return 1;
+}
+
 static long elapsed_ns(const struct timespec *since)
 {
     struct timespec now;
@@ -510,9 +712,8 @@ static int linger(int fd)
     return ready == 1 && (p.revents & POLLIN);
 }
 
-static ssize_t fp_read(int fd, void *buf, size_t buf_len, void *userdata)
+static ssize_t fp_read_requests(int fd, void *buf, size_t buf_len)
 {
-    (void)userdata;
     struct timespec start;
     clock_gettime(CLOCK_MONOTONIC, &start);
     for (unsigned answered = 0;;) {
@@ -550,7 +751,8 @@ static ssize_t fp_read(int fd, void *buf, size_t buf_len, void *userdata)
         if (answered >= FP_MAX_BURST)
             return n;
         if (!answerable(in, (size_t)n)) {
-            int r = answer_read(fd, in, (size_t)n);
+            int r = in->opcode == FUSE_WRITE ? answer_write(fd, in, (size_t)n)
+                                             : answer_read(fd, in, (size_t)n);
             if (r < 0)
                 return -1;
             if (r == 0)
@@ -567,6 +769,21 @@ static ssize_t fp_read(int fd, void *buf, size_t buf_len, void *userdata)
         answered++;
         bump(FP_FAST_GETXATTR, 1);
     }
+}
+
+/* The session's read: requests answered here, then the one for libfuse (or
+ * none), the WRITEs answered here folded into the daemon's state first. */
+static ssize_t fp_read(int fd, void *buf, size_t buf_len, void *userdata)
+{
+    (void)userdata;
+    ssize_t n = fp_read_requests(fd, buf, buf_len);
+    int e = errno;
+    if (n >= (ssize_t)sizeof(struct fuse_in_header))
+        passing_on((const struct fuse_in_header *)buf);
+    if (n_pending > 0 && folder != NULL)
+        folder();               /* takes the GIL if this thread does not hold it */
+    errno = e;
+    return n;
 }
 
 static ssize_t fp_writev(int fd, struct iovec *iov, int iovcnt, void *userdata)

@@ -35,6 +35,20 @@
  *  - for a file with no such table, asks its cold table
  *    (ckptfs_coldtable.h: cold chunks fetched and verified, answered from
  *    the cold cache's memory);
+ *  - answers WRITE itself for a file the daemon opened a write window of
+ *    (ckptfs_fuse_write_window: a file written front to back, the log
+ *    space reserved for its next bytes): a WRITE at the window's file
+ *    offset that fits is written into the log from the request buffer
+ *    (pwrite, GIL released), recorded as a pending extent and answered.
+ *    Whenever this module hands control back (before it returns from its
+ *    read, with a request for libfuse or none), it calls the daemon's
+ *    folder (ckptfs_fuse_write_folder), which takes the pending extents
+ *    (ckptfs_fuse_write_take) into the file's changes: no Python on the
+ *    trio thread ever sees a WRITE answered here and not folded.  A request
+ *    it passes on closes the window of its inode first (a request that
+ *    names no inode it could touch closes every window), so the daemon
+ *    sees it as after a WRITE of its own and opens the window again only
+ *    from its write path;
  * The write side notes when libfuse has sent the INIT reply: the kernel
  * resets the mount's read-ahead while it handles that reply, so the daemon
  * raises it only after (ckptfs_fuse_init_replied).
@@ -124,7 +138,9 @@ int ckptfs_fuse_init_replied(void);
  * (outside the table, a failed check, the pool's queue full, handed back);
  * out[71] and out[72] the READs the pool answered and their bytes; out[73]
  * the READs it handed back; out[74] the withdrawals of a table that waited
- * for its reads in the pool.  n <= 75. */
+ * for its reads in the pool; out[75] the WRITEs answered here, out[76]
+ * their bytes, out[77] the WRITEs of an inode with a window that went to
+ * the daemon.  n <= 78. */
 void ckptfs_fuse_counters(uint64_t *out, size_t n);
 
 /* A READ of a published table that missed the page cache goes to the read
@@ -151,5 +167,34 @@ size_t ckptfs_fuse_handbacks(ckptfs_fuse_handback *out, size_t n);
 /* Reply to request unique: len bytes of data, or error (an errno, > 0).
  * 0, or -errno of the write (an interrupted request is 0). */
 int ckptfs_fuse_reply(uint64_t unique, int error, const uint8_t *data, size_t len);
+
+/* WRITEs of inode ino at file offset file_off (the next byte a sequential
+ * writer sends) may be answered here while they fit in log bytes
+ * [log_off, log_end) of log_fd, written in order: each one's payload goes to
+ * the log where the previous one ended.  Replaces ino's window (at most
+ * FP_WRITE_SLOTS files at once: 0 answered, -1 none free or not hooked). */
+int ckptfs_fuse_write_window(uint64_t ino, int log_fd, uint64_t file_off, uint64_t log_off,
+                             uint64_t log_end);
+
+/* No more WRITEs of ino answered here (the pending ones stay to be taken). */
+void ckptfs_fuse_write_close(uint64_t ino);
+
+/* A WRITE answered here, not yet taken by the daemon: file bytes
+ * [file_off, file_off + length) of ino are at log_off.  Consecutive WRITEs
+ * of a file are one extent. */
+typedef struct {
+    uint64_t ino;
+    uint64_t file_off;
+    uint64_t log_off;
+    uint64_t length;
+} ckptfs_fuse_wextent;
+
+/* Up to n pending extents into out, oldest first, taken: how many. */
+size_t ckptfs_fuse_write_take(ckptfs_fuse_wextent *out, size_t n);
+
+/* The daemon's folder: a void(void) function this module calls (on the
+ * thread that reads the FUSE fd, taking the GIL) whenever WRITEs it
+ * answered are pending, before it returns from its read.  0 to remove. */
+void ckptfs_fuse_write_folder(uintptr_t fn);
 
 #endif
