@@ -45,7 +45,11 @@ window, and those it reads from the index past the window's end go to the
 next window's load (dropped, like windows, when the index changes them).
 The window's cold pieces whose chunks the cold store holds verified are
 published to the fast path's cold table (`_publish_cold`), which answers
-READs inside them from that memory without the interpreter; each piece keeps
+READs inside them from that memory without the interpreter. A READ answered
+there past the table's mark (a quarter of the look-ahead past the last
+top-up) wakes `cold_refill` (fastpath.serve_cold_refills), which tops the
+look-ahead up, moves the window on if it would cut the publication short,
+and publishes further: a sequential restore sends no READ here for that. Each piece keeps
 a view of its bytes until it is withdrawn (with the window, or trimmed
 behind the reader), so the cache can evict a chunk but not reuse or free
 what C may still read.
@@ -102,6 +106,8 @@ if TYPE_CHECKING:
                          addresses: list[int], refill_at: int) -> int: ...
 
         def cold_trim(self, ino: int, below: int) -> None: ...
+
+        def cold_mark(self, ino: int, wake_at: int) -> bool: ...
 
         def cold_forget(self, ino: int) -> None: ...
 
@@ -164,6 +170,8 @@ class MapWindow:
     cold_next: int = 0
     cold_from: int = 0
     cold_depth: int = 0
+    cold_to: int = 0                 # the published pieces' end
+    cold_marked: bool = False        # its table's mark wakes cold_refill (fastpath.cold_mark)
 
     def span(self, off: int, end: int) -> tuple[int, int]:
         """Extents [i, j) that overlap [off, end)."""
@@ -479,10 +487,11 @@ class ChunkReader:
         return pieces
 
     def _drop_window(self, ino: int, window: Optional[MapWindow] = None,
-                     moving: bool = False) -> None:
+                     moving: bool = False, keep_cold: bool = False) -> None:
         """ino's window goes: before its table's memory can go, and before a
         change to its map or chunks is made. moving: only because a reader
-        moved on past it (nothing changed)."""
+        moved on past it (nothing changed). keep_cold (moving only): its cold
+        table and pins stay, for the window that replaces it (cold_refill)."""
         if window is None:
             window = self._windows.pop(ino, None)
             if window is None:
@@ -497,7 +506,7 @@ class ChunkReader:
                 # tables retired before included: the change may free their space.
                 self._publisher.read_forget(ino)
             window.published = False
-        if window.cold_pins is not None:
+        if window.cold_pins is not None and not (moving and keep_cold):
             # Likewise: the pins (the cold bytes' memory) go after the table.
             self._publisher.cold_forget(ino)
             window.cold_pins = None
@@ -563,7 +572,8 @@ class ChunkReader:
                 if got is None:
                     break               # not fetched yet (or damaged: the daemon's read says so)
                 view, address = got
-                s, t = max(e.file_off, window.start), min(e.end, window.end)
+                s = max(e.file_off, window.start, window.cold_to)
+                t = min(e.end, window.end)
                 if t > s:
                     offs.append(s)
                     lens.append(t - s)
@@ -575,10 +585,61 @@ class ChunkReader:
             k += 1
         if not pins and not new_pins:
             return                              # no table, none made
-        added = pub.cold_publish(ino, offs, lens, addresses, off + depth // 2)
+        # Without a mark, READs past half the depth come to the daemon for
+        # the top-up; with one, the mark brings it (cold_refill) and only a
+        # reader past everything asked for comes.
+        added = pub.cold_publish(ino, offs, lens, addresses,
+                                 off + (depth if window.cold_marked else depth // 2))
         pins.extend(new_pins[:added])
+        if added:
+            window.cold_to = offs[added - 1] + lens[added - 1]
         # A piece not added (no table slot free) is tried again next time.
         window.cold_next = at[added] if added < len(at) else k
+        if (refill or not window.cold_marked) and pub.cold_mark(ino, off + depth // 4) \
+                and not window.cold_marked:
+            window.cold_marked = True
+            pub.cold_publish(ino, [], [], [], off + depth)
+
+    def cold_refill(self, ino: int, read_to: int) -> None:
+        """ino's reader, answered from its cold table in C, passed the
+        table's mark (fastpath.serve_cold_refills), its READs reaching
+        read_to: top the look-ahead up and publish further, as a READ served
+        here would, so that no READ comes here for it. A window that would
+        stop the publication short of the look-ahead is replaced by the next
+        one first, its cold table and pins carried over. Trio thread."""
+        window = self._windows.get(ino)
+        if window is None or window.cold_pins is None or self.prefetcher is None \
+                or not window.start <= read_to <= window.end:
+            return                  # dropped, moved on, or not a cold reader in C
+        size, depth = window.file_size, self.prefetcher.depth_for(ino)
+        if read_to + depth > window.end and window.end < size:
+            w_start = max(window.start, read_to - WINDOW_BACK_BYTES)
+            old = window
+            del self._windows[ino]
+            self._drop_window(ino, old, moving=True, keep_cold=True)
+            # The carried table keeps no piece the new window does not
+            # name: a change to a chunk behind it would not reach it.
+            pins = old.cold_pins
+            self._publisher.cold_trim(ino, w_start)
+            while pins and pins[0][0] <= w_start:
+                pins.popleft()
+            try:
+                window = self._load_window(ino, w_start,
+                                           min(read_to + depth + WINDOW_BYTES, size), size,
+                                           reuse=old)
+            except BaseException:
+                self._publisher.cold_forget(ino)    # before the pins can go
+                raise
+            window.cold_pins, window.cold_marked = pins, old.cold_marked
+            window.cold_from, window.cold_depth = old.cold_from, old.cold_depth
+            # From the extent the last piece ended in: the old window cut
+            # it at its end.
+            window.cold_to = old.cold_to
+            window.cold_next = bisect_right(window.ends, old.cold_to)
+            self.windows_ahead += 1
+        self.prefetcher.prefetch(self.cold_ahead(ino, read_to, size, window),
+                                 partial(self._cold_fetched, ino))
+        self._publish_cold(window, read_to, refill=True)
 
     def _cold_fetched(self, ino: int) -> None:
         """The prefetcher fetched cold chunks for ino's reader: publish them."""

@@ -177,6 +177,32 @@ def cold_publish(ino: int, offs: list[int], lens: list[int], addresses: list[int
                                    ffi.new("uintptr_t[]", addresses), len(offs), refill_at)
 
 
+def cold_mark(ino: int, wake_at: int) -> bool:
+    """On ino's cold table: once a READ answered from it ends past file
+    offset wake_at, `serve_cold_refills` is told (once), so the look-ahead
+    is topped up and published further without a READ coming here for it.
+    False: no table, or nothing serves the marks (the table's refill
+    point is what brings READs here then)."""
+    return lib is not None and hasattr(lib, "ckptfs_cold_mark") \
+        and lib.ckptfs_cold_mark(ino, wake_at) == 1
+
+
+async def serve_cold_refills(refill: Callable[[int, int], None]) -> None:
+    """refill(ino, end of the furthest READ answered) for each cold reader
+    that passed its table's `cold_mark`, on the trio thread. Runs until
+    cancelled; returns at once without the fast path."""
+    if not hooked() or not hasattr(lib, "ckptfs_cold_wake_fd"):
+        return
+    wake_fd = lib.ckptfs_cold_wake_fd()
+    if wake_fd < 0:
+        return
+    inos, read_to = ffi.new("uint64_t[]", 64), ffi.new("uint64_t[]", 64)
+    while True:
+        await trio.lowlevel.wait_readable(wake_fd)
+        for k in range(lib.ckptfs_cold_wanted(inos, read_to, 64)):
+            refill(int(inos[k]), int(read_to[k]))
+
+
 def cold_trim(ino: int, below: int) -> None:
     """Pieces of ino's cold table ending at or before below are dropped
     (their pins may go after this)."""

@@ -9,7 +9,9 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <linux/fuse.h>
 
@@ -30,10 +32,14 @@ typedef struct {
     ct_piece *pieces;           /* [first, n) are live, in file order */
     size_t first, n, cap;
     uint64_t refill_at;
+    uint64_t wake_at;           /* an answered READ ending past it wakes the daemon */
+    uint64_t read_to;           /* where the furthest answered READ ended */
+    int wake_asked;             /* 1: asked (ckptfs_cold_wanted not called yet), 2: taken */
 } ct_table;
 
 static ct_table tables[CT_SLOTS];
 static uint64_t counters[3];
+static int wake_fd = -1;        /* readable: a reader passed its table's mark */
 
 static ct_table *table_of(uint64_t ino)
 {
@@ -53,7 +59,8 @@ static ct_table *table_made(uint64_t ino)
             t = &tables[i];
             ct_piece *keep = t->pieces;     /* a freed slot keeps its array */
             size_t cap = t->cap;
-            *t = (ct_table){.ino = ino, .pieces = keep, .cap = cap, .refill_at = 0};
+            *t = (ct_table){.ino = ino, .pieces = keep, .cap = cap, .refill_at = 0,
+                            .wake_at = UINT64_MAX};
         }
     return t;
 }
@@ -119,6 +126,41 @@ void ckptfs_cold_forget(uint64_t ino)
     t->first = t->n = 0;        /* the array is kept for the slot's next table */
 }
 
+int ckptfs_cold_wake_fd(void)
+{
+    if (wake_fd < 0)
+        wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    return wake_fd;
+}
+
+int ckptfs_cold_mark(uint64_t ino, uint64_t wake_at)
+{
+    ct_table *t = table_of(ino);
+    if (t == NULL || wake_fd < 0)
+        return 0;
+    t->wake_at = wake_at;
+    t->wake_asked = 0;
+    return 1;
+}
+
+size_t ckptfs_cold_wanted(uint64_t *inos, uint64_t *read_to, size_t n)
+{
+    uint64_t drained;
+    if (wake_fd >= 0 && read(wake_fd, &drained, sizeof drained) < 0)
+        drained = 0;            /* EAGAIN: nothing was asked since the last call */
+    size_t k = 0;
+    for (size_t i = 0; i < CT_SLOTS && k < n; i++) {
+        ct_table *t = &tables[i];
+        if (t->ino != 0 && t->wake_asked == 1) {
+            t->wake_asked = 2;
+            inos[k] = t->ino;
+            read_to[k] = t->read_to;
+            k++;
+        }
+    }
+    return k;
+}
+
 void ckptfs_cold_counters(uint64_t *out, size_t n)
 {
     if (n > 3)
@@ -179,6 +221,16 @@ int ckptfs_cold_answer(int fd, uint64_t ino, uint64_t unique, uint64_t off, uint
         return -1;              /* unmounted: libfuse ends the session */
     }
     /* ENOENT: the request was interrupted meanwhile, nobody waits for it. */
+    if (end > t->read_to)
+        t->read_to = end;
+    if (end > t->wake_at && t->wake_asked == 0) {
+        /* The daemon tops the look-ahead up and publishes further now,
+         * before the reader gets there: no READ goes to it for that. */
+        static const uint64_t one = 1;
+        t->wake_asked = 1;
+        if (write(wake_fd, &one, sizeof one) < 0)
+            t->wake_asked = 0;  /* (the counter is full: cannot happen) */
+    }
     __atomic_fetch_add(&counters[0], 1, __ATOMIC_RELAXED);
     __atomic_fetch_add(&counters[1], size, __ATOMIC_RELAXED);
     return 1;

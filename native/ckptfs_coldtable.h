@@ -8,7 +8,8 @@
  * READ wholly covered by consecutive pieces, ending before the table's
  * refill point, is answered with one writev straight from that memory
  * (GIL released); anything else goes to the daemon, which serves it, asks
- * the prefetcher for more and publishes further.
+ * the prefetcher for more and publishes further.  An answered READ past the
+ * table's mark wakes the daemon (an eventfd) to do the same without a READ.
  *
  * Every call, and the answers, run on the thread that reads the FUSE fd
  * (pyfuse3's trio thread); the memory stays the caller's and must stay
@@ -38,6 +39,20 @@ void ckptfs_cold_trim(uint64_t ino, uint64_t below);
 
 /* Drop ino's table: its READs go to the daemon again. */
 void ckptfs_cold_forget(uint64_t ino);
+
+/* ino's wake mark (no-op, 0, for an ino without a table or before
+ * ckptfs_cold_wake_fd made the fd; a new table has none): once a READ
+ * answered from the table ends past file offset wake_at, the eventfd of
+ * ckptfs_cold_wake_fd turns readable and ckptfs_cold_wanted reports ino
+ * (once per mark), so the daemon can top its look-ahead up and publish
+ * further while the READs go on being answered here.  1 if set. */
+int ckptfs_cold_wake_fd(void);
+int ckptfs_cold_mark(uint64_t ino, uint64_t wake_at);
+
+/* Up to n inodes whose reader passed its mark since the last call, into
+ * inos, and the end of the furthest READ answered from each table into
+ * read_to; how many.  Drains the eventfd. */
+size_t ckptfs_cold_wanted(uint64_t *inos, uint64_t *read_to, size_t n);
 
 /* Counters since the mount: out[0] READs answered from cold tables,
  * out[1] their bytes, out[2] READs of an inode with a table that went to

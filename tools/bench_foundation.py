@@ -925,6 +925,7 @@ class Bench:
                 f"{phase}_getxattr_answered_in_c": st.get("fuse_getxattr_answered_in_c"),
                 f"{phase}_read_answered_in_c": st.get("fuse_read_answered_in_c"),
                 f"{phase}_read_passed_on": st.get("fuse_read_passed_on"),
+                f"{phase}_cold_read_answered_in_c": st.get("fuse_cold_read_answered_in_c"),
                 f"{phase}_commits": st.get("commits"),
                 f"{phase}_commit_ms_avg": round(1000 * st.get("commit_seconds_avg", 0), 3),
                 f"{phase}_daemon_hwm_mb": round((proc_status_kb(t.pid, "VmHWM") or 0) * KiB / MB, 1)}

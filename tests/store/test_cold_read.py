@@ -426,3 +426,44 @@ def test_prefetch_fetches_in_order_while_the_trio_thread_is_busy(tmp_path, monke
         assert bytes(cold.get(c)) == datas[c.chunk_no]
     assert all(not t.is_alive() for t in prefetcher._threads)
     backend.close()
+
+
+def reads_in_python(m) -> int:
+    """READs the daemon's Python served: those the fast path did not answer."""
+    s = m.stat()
+    return (s["fuse_requests"].get("READ", 0) - s["fuse_read_answered_in_c"]
+            - s["fuse_cold_read_answered_in_c"])
+
+
+def test_a_sequential_cold_reader_answered_in_c_tops_the_look_ahead_up_without_python(
+        make_mount):
+    # A sequential reader whose READs are answered from the cold table in C
+    # must not have to send one to Python every half look-ahead only so the
+    # prefetcher is topped up: the table's mark wakes the daemon, which tops
+    # it up and publishes further while the READs go on being answered in C.
+    from ckptfs.tierplan import TierPolicy
+
+    depth = TierPolicy().prefetch_bytes
+    m = make_mount(options=["pmem_size=512M"])
+    size = depth * 3
+    data = incompressible(size, 6)
+    write_file(m.path / "cold.bin", data)
+    tier_now(m)
+    m.remount()
+    chunks = m.stat()["chunks"]
+    before = reads_in_python(m)
+    with open(m.path / "cold.bin", "rb", buffering=0) as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)   # one READ per read
+        for k in range(size // MiB):
+            # A reader the fetches keep ahead of: READs wait for no chunk,
+            # so every READ that reaches Python is there for a top-up.
+            if k % 8 == 0:
+                want_fetched = min(chunks, chunks * (k + 10) // (size // MiB))
+                wait_for(lambda: m.stat()["cold_fetches"] >= want_fetched, timeout_s=10)
+            assert f.read(MiB) == data[k * MiB:(k + 1) * MiB]
+    in_python = reads_in_python(m) - before
+    # The first READ (nothing published yet), and one at most that found
+    # its chunk not fetched yet; before: one every half look-ahead (6 here).
+    assert in_python <= 2, f"{in_python} of {size // MiB} READs went to Python"
+    m.umount()
+
