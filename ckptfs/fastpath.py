@@ -56,6 +56,11 @@ finally:
 CAPS_XATTR = b"security.capability"
 DISABLE_ENV = "CKPTFS_NO_FASTPATH"     # "1": leave every request to pyfuse3 (A/B runs)
 WRITES_DISABLE_ENV = "CKPTFS_NO_FAST_WRITES"   # "1": WRITEs to pyfuse3, the rest as above
+# Background requests (readahead READs, writeback WRITEs) the kernel keeps in
+# flight: its default, 12, leaves the read pool's threads idle behind a
+# reader whose READs miss the page cache. The INIT reply asks for this many.
+MAX_BACKGROUND = 48
+MAX_BACKGROUND_ENV = "CKPTFS_MAX_BACKGROUND"   # a number (A/B runs); 0: the kernel's default
 
 # linux/fuse.h opcodes, for the counters' names.
 OPCODES = {
@@ -78,6 +83,16 @@ def want(on: bool = True) -> None:
     (unless CKPTFS_NO_FASTPATH=1 is in the environment)."""
     if lib is not None:
         lib.ckptfs_fuse_want(1 if on and os.environ.get(DISABLE_ENV) != "1" else 0)
+        if hasattr(lib, "ckptfs_fuse_max_background"):
+            lib.ckptfs_fuse_max_background(max_background())
+
+
+def max_background() -> int:
+    """What the INIT reply asks for (MAX_BACKGROUND, or CKPTFS_MAX_BACKGROUND)."""
+    try:
+        return max(0, min(int(os.environ.get(MAX_BACKGROUND_ENV, MAX_BACKGROUND)), 0xffff))
+    except ValueError:
+        return MAX_BACKGROUND
 
 
 def hooked() -> bool:

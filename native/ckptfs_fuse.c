@@ -13,6 +13,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -129,6 +130,7 @@ static int session_fd = -1;         /* the FUSE fd, once the fast path is on it 
 static int init_seen;
 static uint64_t init_unique;
 static int init_replied;
+static uint16_t max_background;     /* 0: what libfuse says (the kernel's 12) */
 /* Whether waiting pays: waits that saw the next question earn credit, waits
  * that timed out cost more; without credit, only every FP_PROBE_EVERY-th
  * answer waits, to notice a writer that became a small-piece writer. */
@@ -157,6 +159,11 @@ static size_t slot_of(uint64_t ino)
 void ckptfs_fuse_want(int on)
 {
     wanted = on != 0;
+}
+
+void ckptfs_fuse_max_background(unsigned n)
+{
+    max_background = n > 0xffff ? 0xffff : (uint16_t)n;
 }
 
 int ckptfs_fuse_hooked(void)
@@ -786,9 +793,31 @@ static ssize_t fp_read(int fd, void *buf, size_t buf_len, void *userdata)
     return n;
 }
 
+/* The INIT reply about to go out: ask for max_background requests in flight
+ * (readahead READs, writeback WRITEs) and a congestion threshold at 3/4 of
+ * it, as the kernel's defaults (12, 9) are.  libfuse leaves both 0 unless
+ * the file system's init sets them, which pyfuse3's does not. */
+static void raise_background(struct iovec *iov, int iovcnt)
+{
+    const size_t need = offsetof(struct fuse_init_out, congestion_threshold)
+                        + sizeof(uint16_t);
+    const struct fuse_out_header *out = iov[0].iov_base;
+    if (max_background == 0 || out->error != 0 || iovcnt < 2 || iov[1].iov_len < need)
+        return;
+    struct fuse_init_out *arg = iov[1].iov_base;
+    if (arg->max_background < max_background) {
+        arg->max_background = max_background;
+        arg->congestion_threshold = (uint16_t)(max_background * 3 / 4);
+    }
+}
+
 static ssize_t fp_writev(int fd, struct iovec *iov, int iovcnt, void *userdata)
 {
     (void)userdata;
+    if (init_seen && !init_replied && iovcnt > 0
+            && iov[0].iov_len >= sizeof(struct fuse_out_header)
+            && ((const struct fuse_out_header *)iov[0].iov_base)->unique == init_unique)
+        raise_background(iov, iovcnt);
     ssize_t res = writev(fd, iov, iovcnt);
     if (res >= 0 && init_seen && !init_replied && iovcnt > 0
             && iov[0].iov_len >= sizeof(struct fuse_out_header)) {

@@ -73,6 +73,12 @@ void ckptfs_fuse_want(int on);
  * the fast path was not wanted, or installing it failed. */
 int ckptfs_fuse_hooked(void);
 
+/* Before pyfuse3.init(): the INIT reply asks the kernel for n background
+ * requests in flight (readahead READs, writeback WRITEs; its default is 12)
+ * and a congestion threshold of 3n/4; 0 leaves libfuse's reply as it is.
+ * Only with the fast path installed (it sees the reply). */
+void ckptfs_fuse_max_background(unsigned n);
+
 /* The inode has no "security.capability" attribute: answer the kernel's
  * GETXATTR of it in C from now on.  Call it only with that knowledge (a new
  * inode; the daemon just answered ENODATA for it). */

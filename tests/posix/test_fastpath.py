@@ -80,3 +80,26 @@ def test_read_ahead_is_raised_when_the_mount_returns(make_mount):
         dev = mount_at(str(m.path)).device
         assert Path(f"/sys/class/bdi/{dev}/read_ahead_kb").read_text().strip() == "16384"
         m.umount()
+
+
+def _connection(m) -> Path:
+    """The mount's directory in the FUSE control filesystem (its device number)."""
+    conn = Path("/sys/fs/fuse/connections") / str(os.stat(m.path).st_dev)
+    if not conn.is_dir():
+        pytest.skip("the FUSE control filesystem is not mounted at /sys/fs/fuse/connections")
+    return conn
+
+
+def test_init_asks_for_more_background_requests(make_mount, monkeypatch):
+    """The INIT reply asks for 48 readahead/writeback requests in flight and a
+    congestion threshold of 36; CKPTFS_MAX_BACKGROUND=0 leaves the kernel's 12 and 9."""
+    m = make_mount()
+    conn = _connection(m)
+    assert (conn / "max_background").read_text().strip() == "48"
+    assert (conn / "congestion_threshold").read_text().strip() == "36"
+    m.umount()
+    monkeypatch.setenv("CKPTFS_MAX_BACKGROUND", "0")
+    m = make_mount()
+    conn = _connection(m)
+    assert (conn / "max_background").read_text().strip() == "12"
+    assert (conn / "congestion_threshold").read_text().strip() == "9"
