@@ -529,7 +529,8 @@ class ChunkReader:
 
     # ------------------------------------------------- cold reads in C
 
-    def _publish_cold(self, window: MapWindow, off: int, refill: bool = False) -> None:
+    def _publish_cold(self, window: MapWindow, off: int, refill: bool = False,
+                      behind: int = HINT_SLACK_BYTES) -> None:
         """Publish to the fast path's cold table of window's file the cold
         extents, from where publication stopped (or off, if the reader is past
         that), whose chunks the cold store holds verified, in file order, up
@@ -538,7 +539,8 @@ class ChunkReader:
         window is dropped or the reader is HINT_SLACK_BYTES past it, so the
         cache may evict the chunk but never reuse or free what C reads from.
 
-        refill (a READ the daemon serves at off): pieces well behind off go,
+        refill (a READ the daemon serves at off): pieces more than behind
+        bytes behind off go,
         and READs reaching past off + depth/2 come to the daemon again, which
         asks the prefetcher for more (cold_ahead) and publishes further.
         Trio thread."""
@@ -553,7 +555,7 @@ class ChunkReader:
             window.cold_from = off
             window.cold_depth = (self.prefetcher.depth_for(ino) if self.prefetcher is not None
                                  else WINDOW_BYTES)
-            below = off - HINT_SLACK_BYTES
+            below = off - behind
             if pins and pins[0][0] <= below:
                 pub.cold_trim(ino, below)       # C lets go first, then the pins go
                 while pins and pins[0][0] <= below:
@@ -639,7 +641,9 @@ class ChunkReader:
             self.windows_ahead += 1
         self.prefetcher.prefetch(self.cold_ahead(ino, read_to, size, window),
                                  partial(self._cold_fetched, ino))
-        self._publish_cold(window, read_to, refill=True)
+        # read_to is the furthest READ's end: the kernel's read-ahead
+        # sends the READs before it out of order, up to ~18 MiB behind.
+        self._publish_cold(window, read_to, refill=True, behind=WINDOW_BACK_BYTES)
 
     def _cold_fetched(self, ino: int) -> None:
         """The prefetcher fetched cold chunks for ino's reader: publish them."""
