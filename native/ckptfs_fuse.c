@@ -783,8 +783,18 @@ static ssize_t fp_read_requests(int fd, void *buf, size_t buf_len)
 static ssize_t fp_read(int fd, void *buf, size_t buf_len, void *userdata)
 {
     (void)userdata;
+    /* pyfuse3 calls this with the GIL held.  The burst touches no Python
+     * object (keep it so: it runs without the GIL; the answers' own releases
+     * find it released and do nothing), so the GIL is let go once for the
+     * whole burst, the copy of each request out of the fd included, rather
+     * than once per answer: fewer hand-overs to the other threads. */
+    PyThreadState *saved = NULL;
+    if (Py_IsInitialized() && PyGILState_Check())
+        saved = PyEval_SaveThread();
     ssize_t n = fp_read_requests(fd, buf, buf_len);
     int e = errno;
+    if (saved != NULL)
+        PyEval_RestoreThread(saved);
     if (n >= (ssize_t)sizeof(struct fuse_in_header))
         passing_on((const struct fuse_in_header *)buf);
     if (n_pending > 0 && folder != NULL)
