@@ -160,12 +160,8 @@ def test_a_raw_payload_forged_to_keep_its_crc_is_refused(make_mount):
         res.stdout + res.stderr
 
 
-def test_reused_read_buffers_never_change_bytes_a_reader_holds(tmp_path):
-    # Chunks cached as views of one read; once evicted, the read's buffer is
-    # used again, but only when no view of it is held any more.
-    backend = LocalBackend.create(tmp_path / "store")
-    rng = random.Random(3)
-    datas = [rng.randbytes(rng.randrange(40_000, 90_000)) for _ in range(120)]
+def write_raw_pack(backend: LocalBackend, datas: list[bytes]) -> list[Chunk]:
+    """Pack 1 of backend holding datas uncompressed; the chunk records naming them."""
     chunks = []
     with packs.PackWriter.create(backend, packs.pack_name(1)) as w:
         for n, data in enumerate(datas):
@@ -174,6 +170,16 @@ def test_reused_read_buffers_never_change_bytes_a_reader_holds(tmp_path):
                                 stored_length=len(data), codec=codec.CODEC_RAW,
                                 payload_crc=e.crc, chunk_id=e.chunk_id))
         w.commit()
+    return chunks
+
+
+def test_reused_read_buffers_never_change_bytes_a_reader_holds(tmp_path):
+    # Chunks cached as views of one read; once evicted, the read's buffer is
+    # used again, but only when no view of it is held any more.
+    backend = LocalBackend.create(tmp_path / "store")
+    rng = random.Random(3)
+    datas = [rng.randbytes(rng.randrange(40_000, 90_000)) for _ in range(120)]
+    chunks = write_raw_pack(backend, datas)
     # A cache of about two runs: each get_many of 30 chunks evicts the one before.
     cold = ColdStore(backend, 2 * 30 * 90_000)
     held = []
@@ -379,14 +385,7 @@ def test_prefetch_fetches_in_order_while_the_trio_thread_is_busy(tmp_path, monke
     backend = LocalBackend.create(tmp_path / "store")
     rng = random.Random(5)
     datas = [rng.randbytes(100_000) for _ in range(96)]
-    chunks = []
-    with packs.PackWriter.create(backend, packs.pack_name(1)) as w:
-        for n, data in enumerate(datas):
-            e = w.add(blake3(data).digest(), codec.CODEC_RAW, 0, data, len(data))
-            chunks.append(Chunk(n, CHUNK_PACK, 1, len(data), pack_no=1, pack_off=e.offset,
-                                stored_length=len(data), codec=codec.CODEC_RAW,
-                                payload_crc=e.crc, chunk_id=e.chunk_id))
-        w.commit()
+    chunks = write_raw_pack(backend, datas)
 
     started: list[int] = []
 
