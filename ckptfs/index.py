@@ -417,6 +417,9 @@ class Batch:
     flush_redo: bool = False               # sealed to persist the log of the records kept
     redo: Optional[bytes] = None           # its `logredo` record, once read from the log
     redo_flushed: Optional[list[int]] = None   # records whose log bytes it persisted
+    # The index's room right after its transaction, when no upkeep was due
+    # (`Index._room_without_upkeep`); None: `_refill_reserve` measures it.
+    room_after: Optional[int] = None
 
     def is_empty(self) -> bool:
         return not self.ops and not self.after_durable
@@ -532,6 +535,24 @@ class Index:
             want -= n
         self._write_ahead(used)
         return max(os.fstat(self._data_fd).st_size - used, 0) + inside
+
+    def _room_without_upkeep(self) -> Optional[int]:
+        """The room `_refill_reserve` would return when it would do nothing but
+        measure (no free pages to count, nothing to preallocate or write ahead);
+        None when upkeep is due. A few microseconds: the committer's worker
+        measures it right after a transaction, so the trio thread needs no
+        second thread hop per commit for it. May block (fstat)."""
+        psize = self.env.stat()["psize"]
+        used = (self.env.info()["last_pgno"] + 1) * psize
+        target = min(max(used // RESERVE_FRACTION, RESERVE_MIN_BYTES), RESERVE_MAX_BYTES)
+        size = os.fstat(self._data_fd).st_size
+        # The conditions under which `_refill_reserve` counts no pages, grows
+        # nothing and `_write_ahead` writes nothing.
+        if size - used < target * 3 // 4 \
+                or max(self._written_to, used) - used < WRITTEN_AHEAD_BYTES // 2:
+            return None
+        self.reserve_target_bytes = target
+        return size - used
 
     def _write_ahead(self, used: int) -> None:
         """Keep WRITTEN_AHEAD_BYTES past the index's last page (used) written
@@ -1118,11 +1139,15 @@ class Index:
             fn()
         self._durable_changed.set()
         self._durable_changed = trio.Event()
-        # The room the batch left, measured once its waiters are told (off
-        # their fsync's path) and before the next transaction (the reserve's
-        # upkeep writes past the last page: only between transactions). Until
-        # then its growth stays promised: the room counted is less than there is.
-        await self._measure_room(limiter)
+        # The room the batch left: measured by its worker when no upkeep was
+        # due, else once its waiters are told (off their fsync's path) and
+        # before the next transaction (the reserve's upkeep writes past the
+        # last page: only between transactions). Until then its growth stays
+        # promised: the room counted is less than there is.
+        if batch.room_after is not None and self.room_bytes is not None:
+            self.room_bytes = batch.room_after
+        else:
+            await self._measure_room(limiter)
         self._promised_total -= batch.promised_bytes
         self._note_room()
         return True
@@ -1272,6 +1297,11 @@ class Index:
             self._redo[redo_no] = [(off, length) for off, length, _ in batch.log_chunks]
             self._redo_bytes += sum(length for _, length, _ in batch.log_chunks)
             self._redo_next = redo_no + 1
+        if self.room_bytes is not None:
+            try:
+                batch.room_after = self._room_without_upkeep()
+            except (OSError, lmdb.Error):
+                batch.room_after = None     # `_measure_room` tries again, and says why
 
     @staticmethod
     def _without_redo(batch: Batch) -> None:

@@ -243,6 +243,7 @@ def test_a_commit_is_durable_for_its_waiters_before_the_room_is_measured(tmp_pat
         return write_batch(batch, persist)
 
     index._refill_reserve = slow_refill
+    index._room_without_upkeep = lambda: None      # upkeep due after every commit
     index._write_batch = timed_write_batch
     waited: list[float] = []
     promised_after_wait: list[int] = []
@@ -269,6 +270,57 @@ def test_a_commit_is_durable_for_its_waiters_before_the_room_is_measured(tmp_pat
     ends = [end for _, end in upkeep]
     for begun in commits[1:]:
         assert any(end <= begun for end in ends)
+    index.close()
+
+
+def test_a_commit_with_no_upkeep_due_measures_the_room_on_its_own_worker(tmp_path):
+    """When the reserve needs no upkeep after a commit (no pages to count,
+    nothing to preallocate or write ahead), the committer's worker measures
+    the room right after the transaction: one thread hop per commit, not two,
+    and the same room `_refill_reserve` measures. When upkeep is due, the
+    second hop does it, after the waiters are told."""
+    index = Index(str(tmp_path / "index"))
+    index.keep_reserve()
+    real_refill = index._refill_reserve
+    refills: list[int] = []
+    hops: list[str] = []
+
+    def counted_refill():
+        refills.append(1)
+        return real_refill()
+
+    index._refill_reserve = counted_refill
+    real_to_thread = trio.to_thread.run_sync
+
+    async def counted_to_thread(fn, *args, **kw):
+        hops.append(getattr(fn, "__name__", repr(fn)))
+        return await real_to_thread(fn, *args, **kw)
+
+    rooms: list[tuple[int, int]] = []
+
+    async def main():
+        trio.to_thread.run_sync = counted_to_thread
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(index.run_committer, lambda ranges: None,
+                                   trio.CapacityLimiter(1))
+                for batch in range(20):
+                    index.admit(10_000)
+                    index._put("xattrs", keys(batch), os.urandom(3000))
+                    await index.wait_durable(index.current_seq())
+                    await trio.sleep(0.01)
+                    # What the full upkeep would measure now (nothing due: no change).
+                    rooms.append((index.room_bytes, real_refill()))
+                index.stop()
+        finally:
+            trio.to_thread.run_sync = real_to_thread
+
+    trio.run(main)
+    assert refills == [], refills
+    assert hops.count("counted_refill") == 0
+    assert len(hops) == 20, hops
+    assert all(measured == full for measured, full in rooms), rooms
+    assert index._promised_total == 0
     index.close()
 
 
