@@ -56,6 +56,7 @@ finally:
 CAPS_XATTR = b"security.capability"
 DISABLE_ENV = "CKPTFS_NO_FASTPATH"     # "1": leave every request to pyfuse3 (A/B runs)
 WRITES_DISABLE_ENV = "CKPTFS_NO_FAST_WRITES"   # "1": WRITEs to pyfuse3, the rest as above
+SPLICE_DISABLE_ENV = "CKPTFS_NO_FUSE_SPLICE"   # "1": requests read(), never spliced (A/B runs)
 # Background requests (readahead READs, writeback WRITEs) the kernel keeps in
 # flight: its default, 12, leaves the read pool's threads idle behind a
 # reader whose READs miss the page cache. The INIT reply asks for this many.
@@ -75,16 +76,19 @@ OPCODES = {
     48: "SETUPMAPPING", 49: "REMOVEMAPPING", 50: "SYNCFS", 51: "TMPFILE", 52: "STATX",
 }
 _N_OPCODES = 64
-_N_COUNTERS = _N_OPCODES + 14
+_N_COUNTERS = _N_OPCODES + 15
 
 
 def want(on: bool = True) -> None:
     """Before pyfuse3.init: install the fast path when the session mounts
-    (unless CKPTFS_NO_FASTPATH=1 is in the environment)."""
+    (unless CKPTFS_NO_FASTPATH=1 is in the environment); requests spliced
+    while a write window is open unless CKPTFS_NO_FUSE_SPLICE=1."""
     if lib is not None:
         lib.ckptfs_fuse_want(1 if on and os.environ.get(DISABLE_ENV) != "1" else 0)
         if hasattr(lib, "ckptfs_fuse_max_background"):
             lib.ckptfs_fuse_max_background(max_background())
+        if hasattr(lib, "ckptfs_fuse_splice_writes"):
+            lib.ckptfs_fuse_splice_writes(0 if os.environ.get(SPLICE_DISABLE_ENV) == "1" else 1)
 
 
 def max_background() -> int:
@@ -360,7 +364,8 @@ def stats() -> dict[str, object]:
     since the mount by name, WRITE payload bytes, the GETXATTRs and READs
     answered in C (of those, READs read on the pool's threads), READs passed
     on and handed back, withdrawals that waited for the pool, and the WRITEs
-    answered in C, their bytes, and WRITEs of a file with a window passed on. Counted
+    answered in C, their bytes, WRITEs of a file with a window passed on, and of
+    those answered, the ones whose payload was spliced into the log. Counted
     only while the fast path is on. Any thread."""
     if lib is None:
         return {"fuse_fastpath": False, "fuse_requests": {}, "fuse_write_bytes": 0,
@@ -370,7 +375,7 @@ def stats() -> dict[str, object]:
                 "fuse_cold_read_passed_on": 0, "fuse_read_waited_in_c": 0,
                 "fuse_read_handed_back": 0, "fuse_read_withdrawals_waited": 0,
                 "fuse_write_answered_in_c": 0, "fuse_write_bytes_in_c": 0,
-                "fuse_write_passed_on": 0}
+                "fuse_write_passed_on": 0, "fuse_write_spliced": 0}
     cold = _cold_counters()
     out = ffi.new("uint64_t[]", _N_COUNTERS)
     lib.ckptfs_fuse_counters(out, _N_COUNTERS)
@@ -390,4 +395,5 @@ def stats() -> dict[str, object]:
             "fuse_read_withdrawals_waited": int(out[_N_OPCODES + 10]),
             "fuse_write_answered_in_c": int(out[_N_OPCODES + 11]),
             "fuse_write_bytes_in_c": int(out[_N_OPCODES + 12]),
-            "fuse_write_passed_on": int(out[_N_OPCODES + 13])}
+            "fuse_write_passed_on": int(out[_N_OPCODES + 13]),
+            "fuse_write_spliced": int(out[_N_OPCODES + 14])}

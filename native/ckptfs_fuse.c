@@ -37,7 +37,8 @@
 #define FP_FAST_WRITES 0
 #define FP_FAST_WRITE_BYTES 1
 #define FP_WRITES_PASSED 2
-#define FP_WCOUNTERS 3
+#define FP_WRITES_SPLICED 3
+#define FP_WCOUNTERS 4
 
 /* How many requests one read may answer itself before it hands one to
  * libfuse or gives the event loop its turn, and for how long at most. */
@@ -121,6 +122,17 @@ static size_t n_pending;
 static void (*folder)(void);
 static uint64_t wcounters[FP_WCOUNTERS];
 
+/* While a write window is open, requests are taken from the FUSE fd with
+ * splice() into this pipe rather than read(): the kernel puts a WRITE's
+ * payload pages in the pipe by reference, so a WRITE answered here costs one
+ * copy (pipe -> the log's page cache, splice again) instead of two (the fd
+ * -> libfuse's buffer, the buffer -> the log).  Every other request, and a
+ * WRITE passed on, is read out of the pipe into libfuse's buffer whole.  The
+ * pipe holds nothing between requests. */
+static int splice_pipe[2] = {-1, -1};
+static int splice_state;            /* 0 not tried yet, 1 on, -1 off */
+static int splice_wanted = 1;
+
 static uint64_t counters[FP_COUNTERS];
 static fp_window *window_of(uint64_t ino);
 static uint64_t caps_absent[FP_SLOTS];
@@ -159,6 +171,11 @@ static size_t slot_of(uint64_t ino)
 void ckptfs_fuse_want(int on)
 {
     wanted = on != 0;
+}
+
+void ckptfs_fuse_splice_writes(int on)
+{
+    splice_wanted = on != 0;
 }
 
 void ckptfs_fuse_max_background(unsigned n)
@@ -629,11 +646,56 @@ static void passing_on(const struct fuse_in_header *in)
     }
 }
 
+/* n bytes of the pipe into out (they are in it: the pipe holds the request
+ * spliced from the FUSE fd); 0, or -1 (errno set). */
+static int pipe_take(void *out, size_t n)
+{
+    size_t done = 0;
+    while (done < n) {
+        ssize_t k = read(splice_pipe[0], (uint8_t *)out + done, n - done);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0) {
+            if (k == 0)
+                errno = EIO;
+            return -1;
+        }
+        done += (size_t)k;
+    }
+    return 0;
+}
+
+/* size bytes of payload at log_off of fd: from data, or (data NULL) spliced
+ * from the pipe.  How many landed, in order from the first. */
+static uint64_t log_payload(int fd, const uint8_t *data, uint64_t size, uint64_t log_off)
+{
+    uint64_t done = 0;
+    while (done < size) {
+        ssize_t k;
+        if (data != NULL) {
+            k = pwrite(fd, data + done, (size_t)(size - done), (off_t)(log_off + done));
+        } else {
+            loff_t at = (loff_t)(log_off + done);
+            k = splice(splice_pipe[0], NULL, fd, &at, (size_t)(size - done), SPLICE_F_MOVE);
+        }
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            break;
+        done += (uint64_t)k;
+    }
+    return done;
+}
+
 /* Answer a WRITE from its file's write window: 1 answered, 0 for the
  * daemon (no window, not where the window is, does not fit, the pending
  * list full, a kill-suid flag, the log write failed: the daemon writes it
- * again into the same space), -1 the session ended. */
-static int answer_write(int fd, const struct fuse_in_header *in, size_t len)
+ * again into the same space), -1 the session ended.  len is the request's
+ * length.  in_pipe NULL: all of it is in buf.  Else *in_pipe of its bytes
+ * (the payload) are still in the pipe, the rest in buf; set to 0 when this
+ * returns 0 having taken them (what went into the log read back from it,
+ * the rest out of the pipe, into buf after the header). */
+static int answer_write(int fd, const struct fuse_in_header *in, size_t len, size_t *in_pipe)
 {
     if (in->opcode != FUSE_WRITE || len < sizeof *in + sizeof(struct fuse_write_in))
         return 0;
@@ -646,21 +708,36 @@ static int answer_write(int fd, const struct fuse_in_header *in, size_t len)
             || size > w->log_end - w->log_off || n_pending >= FP_PENDING_MAX
             || (wr->write_flags & ~(uint32_t)(FUSE_WRITE_CACHE | FUSE_WRITE_LOCKOWNER)) != 0)
         return 0;
-    const uint8_t *data = (const uint8_t *)(wr + 1);
+    uint8_t *data = (uint8_t *)(wr + 1);
     uint64_t log_off = w->log_off;
+    int spliced = in_pipe != NULL && *in_pipe == size;
+    if (in_pipe != NULL && !spliced)
+        return 0;
     PyThreadState *saved = NULL;
     if (Py_IsInitialized() && PyGILState_Check())
         saved = PyEval_SaveThread();
     /* Into the log's page cache; what is durable when stays the daemon's
      * (a commit persists the chunks it names). */
-    uint64_t done = 0;
-    while (done < size) {
-        ssize_t k = pwrite(w->fd, data + done, (size_t)(size - done), (off_t)(log_off + done));
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            break;
-        done += (uint64_t)k;
+    uint64_t done = log_payload(w->fd, spliced ? NULL : data, size, log_off);
+    if (spliced && done != size) {
+        /* The daemon gets the whole request: what landed read back from
+         * the log, the rest out of the pipe. */
+        uint64_t back = 0;
+        while (back < done) {
+            ssize_t k = pread(w->fd, data + back, (size_t)(done - back), (off_t)(log_off + back));
+            if (k < 0 && errno == EINTR)
+                continue;
+            if (k <= 0)
+                break;
+            back += (uint64_t)k;
+        }
+        if (back != done || pipe_take(data + done, (size_t)(size - done)) != 0) {
+            if (saved != NULL)
+                PyEval_RestoreThread(saved);
+            errno = EIO;
+            return -1;          /* cannot happen: the bytes are in the page cache and the pipe */
+        }
+        *in_pipe = 0;
     }
     ssize_t sent = 0;
     int e = 0;
@@ -694,8 +771,62 @@ static int answer_write(int fd, const struct fuse_in_header *in, size_t len)
         return -1;              /* unmounted: libfuse ends the session */
     }
     bump_w(FP_FAST_WRITES);
+    if (spliced)
+        bump_w(FP_WRITES_SPLICED);
     __atomic_fetch_add(&wcounters[FP_FAST_WRITE_BYTES], size, __ATOMIC_RELAXED);
     return 1;
+}
+
+/* At the mount: the pipe for splice_pipe.  It must hold any request
+ * whole, or the kernel fails it (EIO): a page for the header, one per page
+ * of payload (writeback's are the file's own pages, by reference), one more
+ * for a payload that does not start on a page.  fs.pipe-max-size (1 MiB
+ * by default, 256 pages) is the most a daemon without CAP_SYS_RESOURCE may
+ * ask for, so the INIT reply lowers max_write to what the pipe holds
+ * (splice_payload_max: 254 pages, 1016 KiB, with 4 KiB pages); splicing
+ * starts only once that reply went out. */
+static uint32_t splice_payload_max;
+static int splice_init_done;
+
+static void splice_prepare(void)
+{
+    splice_state = -1;
+    if (!splice_wanted)
+        return;
+    int p[2];
+    if (pipe2(p, O_NONBLOCK | O_CLOEXEC) != 0)
+        return;
+    long page = sysconf(_SC_PAGESIZE);
+    int got = -1;
+    for (long want = 2L << 20; got < 0 && want >= (256L << 10); want /= 2)
+        got = fcntl(p[1], F_SETPIPE_SZ, want);
+    if (got < 0 || got / page < 4) {
+        close(p[0]);
+        close(p[1]);
+        return;
+    }
+    splice_pipe[0] = p[0];
+    splice_pipe[1] = p[1];
+    splice_payload_max = (uint32_t)((got / page - 2) * page);
+    splice_state = 1;
+}
+
+/* May requests be spliced from the FUSE fd now (see splice_pipe)? */
+static int splice_ready(void)
+{
+    return splice_state > 0 && __atomic_load_n(&splice_init_done, __ATOMIC_ACQUIRE) == 1;
+}
+
+/* The next request from the FUSE fd: spliced (1: *n bytes in the pipe) or
+ * read into buf (0), or -1 (errno: EAGAIN, nothing waiting). */
+static int next_request(int fd, void *buf, size_t buf_len, ssize_t *n)
+{
+    if (n_windows > 0 && splice_ready()) {
+        *n = splice(fd, NULL, splice_pipe[1], NULL, buf_len, SPLICE_F_NONBLOCK);
+        return *n < 0 ? -1 : 1;
+    }
+    *n = read(fd, buf, buf_len);
+    return *n < 0 ? -1 : 0;
 }
 
 static long elapsed_ns(const struct timespec *since)
@@ -729,8 +860,9 @@ static ssize_t fp_read_requests(int fd, void *buf, size_t buf_len)
             errno = EINTR;
             return -1;
         }
-        ssize_t n = read(fd, buf, buf_len);
-        if (n < 0) {
+        ssize_t n;
+        int spliced = next_request(fd, buf, buf_len, &n);
+        if (spliced < 0) {
             if (errno != EAGAIN && errno != EWOULDBLOCK)
                 return -1;
             /* Nothing waiting.  Right after an answer, the writer's next
@@ -751,15 +883,35 @@ static ssize_t fp_read_requests(int fd, void *buf, size_t buf_len)
             errno = EINTR;
             return -1;
         }
+        size_t in_pipe = 0;
+        if (spliced) {
+            /* The header first (a WRITE's with its fuse_write_in): a WRITE
+             * answered here leaves its payload in the pipe for the log. */
+            size_t head = sizeof(struct fuse_in_header) + sizeof(struct fuse_write_in);
+            size_t first = (size_t)n < head ? (size_t)n : head;
+            if (pipe_take(buf, first) != 0)
+                return -1;
+            in_pipe = (size_t)n - first;
+        }
         if ((size_t)n < sizeof(struct fuse_in_header))
             return n;           /* libfuse reports the short read */
         const struct fuse_in_header *in = buf;
         count(in, (size_t)n);
-        if (answered >= FP_MAX_BURST)
+        if (in->opcode == FUSE_WRITE && answered < FP_MAX_BURST) {
+            int r = answer_write(fd, in, (size_t)n, spliced ? &in_pipe : NULL);
+            if (r < 0)
+                return -1;
+            if (r > 0) {
+                answered++;
+                continue;
+            }
+        }
+        if (in_pipe > 0 && pipe_take((uint8_t *)buf + (n - in_pipe), in_pipe) != 0)
+            return -1;
+        if (answered >= FP_MAX_BURST || in->opcode == FUSE_WRITE)
             return n;
         if (!answerable(in, (size_t)n)) {
-            int r = in->opcode == FUSE_WRITE ? answer_write(fd, in, (size_t)n)
-                                             : answer_read(fd, in, (size_t)n);
+            int r = answer_read(fd, in, (size_t)n);
             if (r < 0)
                 return -1;
             if (r == 0)
@@ -821,19 +973,39 @@ static void raise_background(struct iovec *iov, int iovcnt)
     }
 }
 
+/* The INIT reply about to go out: no WRITE larger than the splice pipe
+ * holds (splice_prepare); splicing may start once it went out.  Without a
+ * reply to change (an error, an old kernel's short one), never. */
+static void limit_max_write(struct iovec *iov, int iovcnt)
+{
+    const size_t need = offsetof(struct fuse_init_out, max_write) + sizeof(uint32_t);
+    const struct fuse_out_header *out = iov[0].iov_base;
+    if (splice_state <= 0 || out->error != 0 || iovcnt < 2 || iov[1].iov_len < need)
+        return;
+    struct fuse_init_out *arg = iov[1].iov_base;
+    if (arg->max_write > splice_payload_max)
+        arg->max_write = splice_payload_max;
+    splice_init_done = 2;       /* set to 1 once the reply is written */
+}
+
 static ssize_t fp_writev(int fd, struct iovec *iov, int iovcnt, void *userdata)
 {
     (void)userdata;
     if (init_seen && !init_replied && iovcnt > 0
             && iov[0].iov_len >= sizeof(struct fuse_out_header)
-            && ((const struct fuse_out_header *)iov[0].iov_base)->unique == init_unique)
+            && ((const struct fuse_out_header *)iov[0].iov_base)->unique == init_unique) {
         raise_background(iov, iovcnt);
+        limit_max_write(iov, iovcnt);
+    }
     ssize_t res = writev(fd, iov, iovcnt);
     if (res >= 0 && init_seen && !init_replied && iovcnt > 0
             && iov[0].iov_len >= sizeof(struct fuse_out_header)) {
         const struct fuse_out_header *out = iov[0].iov_base;
-        if (out->unique == init_unique)
+        if (out->unique == init_unique) {
+            if (splice_init_done == 2)
+                __atomic_store_n(&splice_init_done, 1, __ATOMIC_RELEASE);
             __atomic_store_n(&init_replied, 1, __ATOMIC_RELEASE);
+        }
     }
     return res;
 }
@@ -864,6 +1036,7 @@ int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
         return 0;
     }
     session_fd = fd;
+    splice_prepare();
     __atomic_store_n(&hooked, 1, __ATOMIC_RELAXED);
     return 0;
 }
@@ -886,6 +1059,13 @@ void fuse_session_destroy(struct fuse_session *se)
         (void (*)(struct fuse_session *))dlsym(RTLD_NEXT, "fuse_session_destroy");
     rp_stop();
     session_fd = -1;
+    if (splice_state > 0) {
+        close(splice_pipe[0]);
+        close(splice_pipe[1]);
+        splice_pipe[0] = splice_pipe[1] = -1;
+    }
+    splice_state = 0;
+    splice_init_done = 0;
     if (real != NULL)
         real(se);
 }

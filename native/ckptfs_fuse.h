@@ -39,7 +39,9 @@
  *    (ckptfs_fuse_write_window: a file written front to back, the log
  *    space reserved for its next bytes): a WRITE at the window's file
  *    offset that fits is written into the log from the request buffer
- *    (pwrite, GIL released), recorded as a pending extent and answered.
+ *    (pwrite, GIL released; while a window is open requests come through
+ *    a pipe with splice(), and the payload goes on to the log with splice
+ *    from it), recorded as a pending extent and answered.
  *    Whenever this module hands control back (before it returns from its
  *    read, with a request for libfuse or none), it calls the daemon's
  *    folder (ckptfs_fuse_write_folder), which takes the pending extents
@@ -67,6 +69,12 @@
 /* Before pyfuse3.init(): 1 to install the fast path when the session mounts,
  * 0 (the default) to leave the session as libfuse made it. */
 void ckptfs_fuse_want(int on);
+
+/* Before pyfuse3.init(): 0 to read every request with read(), 1 (the
+ * default) to take requests with splice() while a write window is open, so
+ * a WRITE answered here goes from the kernel's pages into the log with one
+ * copy, not two (the pipe needs room for a whole request: without it, as 0). */
+void ckptfs_fuse_splice_writes(int on);
 
 /* 1 once the fast path is installed on a mounted session.  0 if pyfuse3 was
  * loaded before this module (its fuse_session_mount is libfuse's then), or
@@ -146,7 +154,8 @@ int ckptfs_fuse_init_replied(void);
  * the READs it handed back; out[74] the withdrawals of a table that waited
  * for its reads in the pool; out[75] the WRITEs answered here, out[76]
  * their bytes, out[77] the WRITEs of an inode with a window that went to
- * the daemon.  n <= 78. */
+ * the daemon, out[78] the WRITEs answered here whose payload was spliced
+ * into the log (see ckptfs_fuse_splice_writes).  n <= 79. */
 void ckptfs_fuse_counters(uint64_t *out, size_t n);
 
 /* A READ of a published table that missed the page cache goes to the read

@@ -255,3 +255,37 @@ def test_nothing_depends_on_it(make_mount, monkeypatch, fsck_clean, env):
     m.remount()
     assert read_file(m.path / "f") == data
     check_clean(fsck_clean, m)
+
+
+@pytest.mark.parametrize("spliced", [True, False])
+def test_payload_spliced_into_the_log_or_copied(make_mount, monkeypatch, fsck_clean, spliced):
+    """While a window is open the fast path takes requests with splice(), and
+    an answered WRITE's payload goes from the kernel's pages into the log
+    with one copy (CKPTFS_NO_FUSE_SPLICE=1: read() and pwrite(), as before);
+    either way every byte lands, other requests in between included."""
+    if not spliced:
+        monkeypatch.setenv("CKPTFS_NO_FUSE_SPLICE", "1")
+    m = make_mount(options=["pmem_size=512M", "sync=close"])
+    monkeypatch.delenv("CKPTFS_NO_FUSE_SPLICE", raising=False)
+    data = pattern(40 * MiB + 4097, seed=50)
+    path = m.path / "spliced.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for off in range(0, len(data), 3 * MiB):
+            _stream(fd, data[off:off + 3 * MiB], at=off)
+            os.stat(path)                       # a GETATTR among the WRITEs
+        push_to_daemon(fd)
+        stat = _stats(m)
+        assert stat["fuse_write_answered_in_c"] > 0, stat
+        if spliced:
+            assert stat["fuse_write_spliced"] == stat["fuse_write_answered_in_c"], stat
+        else:
+            assert stat["fuse_write_spliced"] == 0, stat
+        drop_pages(fd)
+        assert pread_all(fd, len(data), 0) == data
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    m.remount()
+    assert read_file(path) == data
+    check_clean(fsck_clean, m)
