@@ -5,8 +5,9 @@ prefetcher that reads them ahead of a sequential reader.
 CRC, decompresses it (`codec`) and verifies its BLAKE3 id before a byte is
 used; decoded chunks stay in a bounded LRU cache, and a chunk being fetched
 by one thread is waited for, not fetched again, by the others. Neighbours in
-a pack come with one read, and one native call checks all their CRCs and
-the ids of the raw ones (GIL released); a raw chunk is cached as a view of
+a pack come with one read, and one native call checks the ids of the raw
+ones and the CRCs of the others (GIL released: a raw payload's id over all
+its bytes proves them, its CRC would add nothing); a raw chunk is cached as a view of
 that read, whose buffer is used again once no view of it is left. It
 is thread-safe; `get`, `get_many` and `read_into` may block (worker threads
 only). It may not write to the store nor touch the index: the records it is
@@ -210,20 +211,25 @@ class ColdStore:
                         old.buf = None
             return [data for data, _, _ in got]
         finally:
+            # get_many claims all its chunks with one event: each is set once.
+            events = set()
             with self._lock:
                 for chunk in chunks:
                     ev = self._fetching.pop(chunk.chunk_id, None)
                     if ev is not None:
-                        ev.set()
+                        events.add(ev)
+            for ev in events:
+                ev.set()
 
     def _verified(self, chunks: list[Chunk]) -> list[tuple[memoryview, _Span, int]]:
         """The chunks' bytes, checked, each with the span it is a view of and
         its address:
-        each payload's CRC, then decoded and its BLAKE3 id. A run of
-        neighbours in one pack is one read and one native call that checks
-        every payload's CRC, and the id of every raw one (a raw payload is
-        the chunk's bytes: its view is used as it is, no copy), GIL released;
-        encoded chunks are decoded and their ids checked here.
+        each raw payload's BLAKE3 id; each encoded one's CRC, then decoded
+        and its id. A run of neighbours in one pack is one read and one native
+        call that checks the id of every raw payload (the chunk's bytes: its
+        view is used as it is, no copy; the id over all of them proves them,
+        so their CRC is not computed) and the CRC of every other, GIL
+        released; encoded chunks are decoded and their ids checked here.
 
         Records are checked first (kind, lengths within MAX_CHUNK_BYTES): a
         damaged one is DamagedData before anything is read or allocated."""

@@ -87,10 +87,12 @@ VERIFY_ID = 3           # its BLAKE3-256 differs from its id
 def verify_payloads(data: Buffer, offs: list[int], lens: list[int], crcs: list[int],
                     ids: bytes | None) -> tuple[int, int]:
     """Check payloads lying in ``data`` in one call, GIL released: payload k
-    is ``data[offs[k]:offs[k] + lens[k]]``, its CRC-32C must be ``crcs[k]``
-    and, with ``ids`` (32 bytes per payload) and the module built with
-    BLAKE3, its BLAKE3-256 must be ``ids[32k:32k + 32]`` unless those are
-    all zeros. Returns (len(offs), 0) if all pass, else (k, VERIFY_*) of the
+    is ``data[offs[k]:offs[k] + lens[k]]``. With ``ids`` (32 bytes per
+    payload) and the module built with BLAKE3, its BLAKE3-256 must be
+    ``ids[32k:32k + 32]`` unless those are all zeros; a payload checked by
+    its id is not also CRC-checked (the id over all its bytes proves them).
+    Every other payload's CRC-32C must be ``crcs[k]``.
+    Returns (len(offs), 0) if all pass, else (k, VERIFY_*) of the
     first that does not. ValueError if ids are given and the module has no
     BLAKE3 (`chunk_feed_hashes`)."""
     n = len(offs)

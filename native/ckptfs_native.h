@@ -216,9 +216,10 @@ int ckptfs_open_beneath(int dirfd, const char *path, int flags, int walk);
 /* ---- cold chunks read back from a pack (ckptfs/coldstore.py) -------------
  *
  * Check n payloads that lie in buf: payload k is buf[offs[k], offs[k] +
- * lens[k]); its CRC-32C must be crcs[k] and, if ids is not NULL and
- * ids[32k..] is not all zeros, its BLAKE3-256 must be ids[32k..] (a raw
- * payload is the chunk's bytes). Returns n if all pass, else the index of
+ * lens[k]); if ids is not NULL and ids[32k..] is not all zeros, its
+ * BLAKE3-256 must be ids[32k..] (a raw payload is the chunk's bytes: the id
+ * over all of them proves them, and their CRC is not computed); otherwise its
+ * CRC-32C must be crcs[k]. Returns n if all pass, else the index of
  * the first that does not, with *what saying which check failed; -1 if ids
  * were given but the module has no BLAKE3 (ckptfs_chunk_hashes() == 0).
  * n is at most INT_MAX. */

@@ -413,7 +413,12 @@ def test_verify_payloads_passes_good_payloads_and_names_the_first_bad(rng) -> No
     assert native.verify_payloads(span, offs, lens, crcs, bad_id) == (2, native.VERIFY_ID)
     bad_crc = crcs[:3] + [crcs[3] ^ 1] + crcs[4:]
     assert native.verify_payloads(span, offs, lens, bad_crc, bad_id) == (2, native.VERIFY_ID)
-    assert native.verify_payloads(span, offs, lens, bad_crc, ids) == (3, native.VERIFY_CRC)
+    # A payload checked by its id is not CRC-checked as well: the id over
+    # all its bytes proves them. Without its id, its CRC is checked.
+    assert native.verify_payloads(span, offs, lens, bad_crc, ids) == (5, 0)
+    assert native.verify_payloads(span, offs, lens, bad_crc, None) == (3, native.VERIFY_CRC)
+    no_id3 = ids[:96] + bytes(32) + ids[128:]
+    assert native.verify_payloads(span, offs, lens, bad_crc, no_id3) == (3, native.VERIFY_CRC)
     assert native.verify_payloads(span, offs, lens[:4] + [4], crcs, ids) == \
         (4, native.VERIFY_RANGE)
     assert native.verify_payloads(span[:-1], offs, lens, crcs, ids) == (4, native.VERIFY_RANGE)
