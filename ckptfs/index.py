@@ -221,6 +221,9 @@ RESERVE_STEP_BYTES = 1 << 20          # preallocation step when the disk is near
 # journal commit for unwritten extents converted or the file's size grown.
 # Written again once less than half of it is left ahead.
 WRITTEN_AHEAD_BYTES = 8 << 20
+# Emptied batch layers kept for reuse (`Index._recycle_layers`): more than the
+# tables one batch touches.
+SPARE_LAYERS = 32
 ROOM_POLL_S = 1.0                     # how often a full index looks for room coming back
 STALL_RETRY_MAX_S = 2.0               # longest wait between retries of a batch without room
 UNMOUNT_RETRY_S = 10.0                # an unmount waits this long for room before giving up
@@ -467,6 +470,7 @@ class Index:
         # (time.monotonic()): the publisher's lag (publish.py).
         self.on_durable: list[Callable[[int, float], None]] = []
         self.counters: dict[bytes, int] = {}
+        self._spare_layers: list[SortedDict] = []     # emptied layers of durable batches
         self._load_counters()
         # Room for growth; None until `keep_reserve` (fsck and recover keep none).
         self.room_bytes: Optional[int] = None
@@ -753,6 +757,9 @@ class Index:
     def _load_counters(self) -> None:
         for name in ID_COUNTERS + STAT_COUNTERS + FILE_COUNTERS:
             self.counters[name] = read_counter(self, name)
+        # What the durable index (or the last sealed batch) holds: a batch
+        # carries only the counters that changed since.
+        self._counters_sealed = dict(self.counters)
 
     def _load_redo(self) -> None:
         """Learn the `logredo` records kept (a crash left them, or the mount
@@ -975,9 +982,22 @@ class Index:
             raise ReadOnly(f"index failed earlier ({self.failure}); filesystem is read-only")
         layer = self._open.ops.get(db)
         if layer is None:
-            layer = self._open.ops[db] = SortedDict()
+            layer = self._open.ops[db] = (self._spare_layers.pop() if self._spare_layers
+                                          else SortedDict())
             self._note_change()
         return layer
+
+    def _recycle_layers(self, batch: Batch) -> None:
+        """Keep a durable batch's layers, emptied, for the next batches: a new
+        SortedDict costs several times an emptied one's reuse, and a commit
+        opens one per table it touches. Nothing reads a batch's layers once it
+        is durable and no longer `_committing` (readers of the layers, as of
+        the read transaction renewed with it, finish before the next await)."""
+        for layer in batch.ops.values():
+            if len(self._spare_layers) < SPARE_LAYERS:
+                layer.clear()
+                self._spare_layers.append(layer)
+        batch.ops = {}
 
     def _note_change(self) -> None:
         if self._open.opened_at is None:
@@ -1091,8 +1111,14 @@ class Index:
                         await self._urgent.wait()
                     self._urgent = trio.Event()
                     continue
+            # Only the counters that changed: batches commit in the order they
+            # are sealed, each before the next is sealed, so the others' values
+            # are durable already (an unchanged one read back is the same).
+            sealed = self._counters_sealed
             for name, value in self.counters.items():
-                self._layer("meta")[name] = _LOGLOC.pack(value)
+                if sealed.get(name) != value:
+                    self._layer("meta")[name] = _LOGLOC.pack(value)
+                    sealed[name] = value
             self._plan_log_bytes(self._open)
             batch, self._open = self._open, Batch(seq=self._open.seq + 1)
             self._committing = batch
@@ -1126,6 +1152,7 @@ class Index:
                                "(CKPTFS_DEBUG_FAIL)")
         self._renew_read_txn()
         self._committing = None
+        self._recycle_layers(batch)
         self.durable_seq = batch.seq
         self.stalled = None
         elapsed = time.monotonic() - started

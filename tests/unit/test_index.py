@@ -324,6 +324,104 @@ def test_a_commit_with_no_upkeep_due_measures_the_room_on_its_own_worker(tmp_pat
     index.close()
 
 
+def test_a_batch_carries_only_the_counters_that_changed(tmp_path):
+    """Each sealed batch puts only the counters changed since the last sealed
+    one (all 15 before); the durable counters stay exact across commits and
+    a reopen, a counter changed and changed back included."""
+    index = Index(str(tmp_path / "index"))
+    index.format(bytes(16), 0, 0, 0)
+    carried: list[set[bytes]] = []
+    write_batch = index._write_batch
+
+    def recording_write_batch(batch, persist):
+        carried.append(set(batch.ops.get("meta", {})))
+        return write_batch(batch, persist)
+
+    index._write_batch = recording_write_batch
+
+    async def commit(change) -> None:
+        change()
+        await index.wait_durable(index.current_seq())
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(index.run_committer, lambda ranges: None,
+                               trio.CapacityLimiter(1))
+            await commit(lambda: (index.allocate_id(b"next_ino"),
+                                  index._put("xattrs", keys(1), b"x")))
+            await commit(lambda: (index.adjust_counter(b"chunks", 2),
+                                  index.adjust_counter(b"file_bytes", 7),
+                                  index._put("xattrs", keys(4), b"w")))
+            await commit(lambda: index._put("xattrs", keys(2), b"y"))
+            await commit(lambda: (index.adjust_counter(b"chunks", 1),
+                                  index.adjust_counter(b"chunks", -1),
+                                  index._put("xattrs", keys(3), b"z")))
+            index.stop()
+
+    trio.run(main)
+    assert carried == [{b"next_ino"}, {b"chunks", b"file_bytes"}, set(), set()], carried
+    expect = dict(index.counters)
+    index.close()
+    again = Index(str(tmp_path / "index"))
+    assert again.counters == expect
+    assert expect[b"chunks"] == 2 and expect[b"file_bytes"] == 7
+    again.close()
+
+
+def test_durable_batches_layers_are_emptied_and_reused(tmp_path, monkeypatch):
+    """A batch's per-table layers (SortedDicts) are reused, emptied, by the
+    batches after it once it is durable: after the first commits no new one
+    is made. What every batch wrote reads back right (pending, durable, after
+    a reopen): no key of an earlier batch shows through a reused layer."""
+    made: list[int] = []
+
+    class CountedSortedDict(ix.SortedDict):
+        def __init__(self, *args, **kw):
+            made.append(1)
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(ix, "SortedDict", CountedSortedDict)
+    index = Index(str(tmp_path / "index"))
+    rng = random.Random(5)
+    model: dict[tuple[str, bytes], bytes] = {}
+    made_after_warmup: list[int] = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(index.run_committer, lambda ranges: None,
+                               trio.CapacityLimiter(1))
+            for commit in range(30):
+                if commit == 3:
+                    made_after_warmup.append(len(made))
+                for _ in range(rng.randrange(1, 20)):
+                    db = rng.choice(["xattrs", "symlinks", "orphans"])
+                    key = keys(rng.randrange(50))
+                    if rng.random() < 0.3:
+                        index._delete(db, key)
+                        model.pop((db, key), None)
+                    else:
+                        value = os.urandom(8)
+                        index._put(db, key, value)
+                        model[(db, key)] = value
+                for db in ("xattrs", "symlinks", "orphans"):
+                    for k in range(50):
+                        assert index._get(db, keys(k)) == model.get((db, keys(k)))
+                await index.wait_durable(index.current_seq())
+                for db in ("xattrs", "symlinks", "orphans"):
+                    for k in range(50):
+                        assert index._get(db, keys(k)) == model.get((db, keys(k)))
+            index.stop()
+
+    trio.run(main)
+    assert len(made) == made_after_warmup[0], (len(made), made_after_warmup)
+    index.close()
+    again = Index(str(tmp_path / "index"))
+    for db in ("xattrs", "symlinks", "orphans"):
+        assert {k: bytes(v) for k, v in again._items(db, keys(0), keys(50))} == \
+            {k: v for (d, k), v in model.items() if d == db}
+    again.close()
+
+
 def test_space_past_the_last_page_is_written_not_only_allocated(tmp_path):
     """LMDB's next pages land on written blocks (zeros flushed once), so a
     commit's fdatasync needs no journal commit for unwritten extents: ext4
