@@ -188,7 +188,6 @@ class ChunkStream:
     ready_bytes: int = 0
     feeding: bool = False            # the feed task runs
     fed: trio.Event = field(default_factory=trio.Event)   # set (and replaced) per feed call
-    scratch: bytearray = field(default_factory=bytearray)  # the feed's reads of LogBytes
 
     def stop(self) -> None:
         """No more feeding: what is not fed yet is cut at commit."""
@@ -604,17 +603,16 @@ class WriteStager:
             stream.next_ticket += 1
             if plan.cut_at is not None:
                 stream.chunker.add_boundaries([plan.cut_at - stream.base])
-            if isinstance(data, LogBytes):
-                # Answered in C: its bytes are in the log (and its page cache).
-                if len(stream.scratch) < data.length:
-                    stream.scratch = bytearray(FOLD_PIECE_BYTES)
-                view = memoryview(stream.scratch)[:data.length]
-                self.log.read_unverified_into(view, data.log_off)
-            else:
-                view = memoryview(data)[plan.stream_pos:]
             # One native pass names every chunk the write completes; a chunk
             # begun by earlier writes was hashed as they passed, nothing is read back.
-            self._locate(stream, stream.chunker.feed_named(view), batch)
+            if isinstance(data, LogBytes):
+                # Answered in C: its bytes are in the log (and its page
+                # cache), read where they are (the chunker copies none).
+                with self.log.unverified_view(data.log_off, data.length) as view:
+                    named = stream.chunker.feed_named(view)
+            else:
+                named = stream.chunker.feed_named(memoryview(data)[plan.stream_pos:])
+            self._locate(stream, named, batch)
         return batch
 
     def finish_stream_blocking(self, stream: ChunkStream) -> ChunkBatch:

@@ -126,3 +126,42 @@ def test_reads_verify_every_block_and_never_return_damaged_bytes(plog):
     plog.read_into(memoryview(out), off, len(data), crcs, 0)      # block 0 still fine
     with pytest.raises(DamagedData, match="block 1"):
         plog.read_into(memoryview(bytearray(10)), off, len(data), crcs, CRC_BLOCK_BYTES)
+
+
+def _mapped_rss_bytes(mapping_path: str) -> int:
+    """Resident bytes of this process's mappings of mapping_path (smaps)."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[:1] in "0123456789abcdef" and "-" in line.split()[0]:
+                inside = line.rstrip().endswith(mapping_path)
+            elif inside and line.startswith("Rss:"):
+                rss += int(line.split()[1]) * 1024
+    return rss
+
+
+def test_unverified_views_are_the_bytes_and_leave_no_pages_mapped(tmp_path):
+    """The chunk feed reads data answered in C through the log's mapping:
+    the view is the bytes written (any offset and length), and its pages are
+    unmapped after, so the daemon's RSS does not grow with what it fed."""
+    path = str(tmp_path / "pmem.log")
+    log = PmemLog.open(path, 32 << 20, UUID)
+    try:
+        log.init_free_space([])
+        off = log.allocate(24 << 20)[0][0] + 123
+        data = random.Random(5).randbytes((24 << 20) - 123)
+        log.write(off, memoryview(data))
+        before = _mapped_rss_bytes(path)
+        at = 0
+        for length in (1, 4095, 4097, 2 << 20, 5 << 20, (24 << 20) - 123 - 7 * (2 << 20)):
+            length = min(length, len(data) - at)
+            with log.unverified_view(off + at, length) as view:
+                assert view.obj is log.mapping      # in place, not a copy
+                assert view == data[at:at + length]
+            at += length
+        assert at > 16 << 20
+        assert _mapped_rss_bytes(path) - before <= 2 * PAGE_BYTES
+        with log.unverified_view(off, 0) as view:
+            assert len(view) == 0
+    finally:
+        log.close()
