@@ -57,6 +57,9 @@ CAPS_XATTR = b"security.capability"
 DISABLE_ENV = "CKPTFS_NO_FASTPATH"     # "1": leave every request to pyfuse3 (A/B runs)
 WRITES_DISABLE_ENV = "CKPTFS_NO_FAST_WRITES"   # "1": WRITEs to pyfuse3, the rest as above
 SPLICE_DISABLE_ENV = "CKPTFS_NO_FUSE_SPLICE"   # "1": requests read(), never spliced (A/B runs)
+# "1": READs answered in C copy the log's bytes into a reply buffer first,
+# rather than checking and sending them from a mapping of the log (A/B runs).
+MAPPED_DISABLE_ENV = "CKPTFS_NO_MAPPED_READS"
 # Background requests (readahead READs, writeback WRITEs) the kernel keeps in
 # flight: its default, 12, leaves the read pool's threads idle behind a
 # reader whose READs miss the page cache. The INIT reply asks for this many.
@@ -76,7 +79,7 @@ OPCODES = {
     48: "SETUPMAPPING", 49: "REMOVEMAPPING", 50: "SYNCFS", 51: "TMPFILE", 52: "STATX",
 }
 _N_OPCODES = 64
-_N_COUNTERS = _N_OPCODES + 15
+_N_COUNTERS = _N_OPCODES + 16
 
 
 def want(on: bool = True) -> None:
@@ -124,6 +127,9 @@ def _give_executor() -> None:
     global _executor_given
     if not _executor_given:
         from ckptfs import native
+        if hasattr(lib, "ckptfs_fuse_read_mapper"):
+            lib.ckptfs_fuse_read_mapper(native.crc32c_address(),
+                                        1 if os.environ.get(MAPPED_DISABLE_ENV) == "1" else 0)
         lib.ckptfs_fuse_read_executor(*native.read_executor_addresses())
         _executor_given = True
 
@@ -375,7 +381,8 @@ def stats() -> dict[str, object]:
                 "fuse_cold_read_passed_on": 0, "fuse_read_waited_in_c": 0,
                 "fuse_read_handed_back": 0, "fuse_read_withdrawals_waited": 0,
                 "fuse_write_answered_in_c": 0, "fuse_write_bytes_in_c": 0,
-                "fuse_write_passed_on": 0, "fuse_write_spliced": 0}
+                "fuse_write_passed_on": 0, "fuse_write_spliced": 0,
+                "fuse_read_mapped": 0}
     cold = _cold_counters()
     out = ffi.new("uint64_t[]", _N_COUNTERS)
     lib.ckptfs_fuse_counters(out, _N_COUNTERS)
@@ -396,4 +403,5 @@ def stats() -> dict[str, object]:
             "fuse_write_answered_in_c": int(out[_N_OPCODES + 11]),
             "fuse_write_bytes_in_c": int(out[_N_OPCODES + 12]),
             "fuse_write_passed_on": int(out[_N_OPCODES + 13]),
-            "fuse_write_spliced": int(out[_N_OPCODES + 14])}
+            "fuse_write_spliced": int(out[_N_OPCODES + 14]),
+            "fuse_read_mapped": int(out[_N_OPCODES + 15])}

@@ -574,6 +574,12 @@ def read_executor_addresses() -> tuple[int, int]:
             int(ffi.cast("uintptr_t", ffi.addressof(lib, "ckptfs_hint_extents"))))
 
 
+def crc32c_address() -> int:
+    """The address of ckptfs_crc32c, for the FUSE fast path's checks of
+    READs it answers from the log's mapping."""
+    return int(ffi.cast("uintptr_t", ffi.addressof(lib, "ckptfs_crc32c")))
+
+
 # ---- the log writer (ckptfs/logwriter.py, native/ckptfs_logwr.h) ----------------
 
 __all__ += ["WriterThreads"]

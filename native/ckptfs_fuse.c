@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -26,6 +28,9 @@
 
 #define FP_OPCODES 64
 #define FP_COUNTERS (FP_OPCODES + 7)
+/* After the write counters: READs answered from the log's mapping. */
+#define FP_MAPPED_READS 0
+#define FP_MCOUNTERS 1
 #define FP_OTHER_OPCODE FP_OPCODES
 #define FP_WRITE_BYTES (FP_OPCODES + 1)
 #define FP_FAST_GETXATTR (FP_OPCODES + 2)
@@ -73,6 +78,12 @@ static const char CAPS_NAME[] = "security.capability";
 #define FP_HINT_BYTES (16ull << 20)
 #define FP_HINT_SLACK (4ull << 20)
 #define FP_BLOCK_BYTES 65536ull        /* index.CRC_BLOCK_BYTES */
+/* Extents a READ answered from the log's mapping may span (more: copied). */
+#define FP_MAP_PIECES 128
+#define FP_PAGE 4096ull
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22           /* Linux 5.14 */
+#endif
 
 typedef rp_read_fn fp_read_fn;
 typedef size_t (*fp_hint_fn)(int, const ckptfs_rx_extent *, size_t, uint64_t, uint64_t);
@@ -98,6 +109,24 @@ static fp_table tables[FP_READ_SLOTS];
 static uint64_t table_clock;
 static fp_read_fn read_extents;
 static fp_hint_fn hint_extents;
+
+/* The log mapped read-only: a READ whose log pages are all in the page
+ * cache is checked and written to the kernel straight from there, without
+ * first copying it into reply_buf (that copy was a quarter of the trio
+ * thread's time on a cold torch.load).  Each READ's pages are populated
+ * before the check (MADV_POPULATE_READ: an I/O error is an error, not a
+ * SIGBUS) and unmapped after the reply (MADV_DONTNEED: the page cache
+ * keeps them, the daemon's RSS does not grow by what it read). */
+typedef uint32_t (*fp_crc_fn)(uint32_t, const void *, size_t);
+static fp_crc_fn crc32c;
+static int map_fd = -1;             /* the fd the mapping was made of */
+static dev_t map_dev;
+static ino_t map_ino;               /* ... and its file: an fd number may be reused */
+static const uint8_t *map_base;
+static uint64_t map_len;
+static int map_off;                 /* 1: CKPTFS_NO_MAPPED_READS=1, or mapping failed */
+static int map_populate = 1;        /* 0: the kernel has no MADV_POPULATE_READ */
+static uint64_t mcounters[FP_MCOUNTERS];
 static uint8_t *reply_buf;          /* FP_READ_MAX bytes, then the executor's scratch */
 static int ahead_fd = -1;           /* readable: a reader wants its next table */
 
@@ -201,6 +230,40 @@ void ckptfs_fuse_caps_unknown(uint64_t ino)
         caps_absent[s] = 0;
 }
 
+void ckptfs_fuse_read_mapper(uintptr_t crc_fn, int off)
+{
+    crc32c = (fp_crc_fn)crc_fn;
+    map_off = off != 0 || crc_fn == 0;
+}
+
+/* Map the log of fd (once; again if fd is another file now).  Trio thread. */
+static void map_log(int fd)
+{
+    struct stat st;
+    if (map_off || crc32c == NULL || fstat(fd, &st) != 0)
+        return;
+    if (map_base != NULL && map_fd == fd && map_dev == st.st_dev && map_ino == st.st_ino
+            && map_len == (uint64_t)st.st_size)
+        return;
+    if (map_base != NULL) {
+        munmap((void *)map_base, (size_t)map_len);
+        map_base = NULL;
+        map_fd = -1;
+    }
+    if (!S_ISREG(st.st_mode) || st.st_size <= 0)
+        return;
+    void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED)
+        return;                 /* reads copy through reply_buf as before */
+    /* Pages come and go per READ: no read-ahead of the mapping's own. */
+    madvise(p, (size_t)st.st_size, MADV_RANDOM);
+    map_base = p;
+    map_len = (uint64_t)st.st_size;
+    map_fd = fd;
+    map_dev = st.st_dev;
+    map_ino = st.st_ino;
+}
+
 void ckptfs_fuse_read_executor(uintptr_t read_fn, uintptr_t hint_fn)
 {
     read_extents = (fp_read_fn)read_fn;
@@ -259,6 +322,7 @@ int ckptfs_fuse_read_table(uint64_t ino, int log_fd, uintptr_t ext, size_t n, ui
         t->ino = ino;
     }
     t->fd = log_fd;
+    map_log(log_fd);
     t->ext = (const ckptfs_rx_extent *)ext;
     t->n = n;
     t->crcs = (const uint8_t *)crcs;
@@ -337,7 +401,7 @@ int ckptfs_fuse_init_replied(void)
 
 void ckptfs_fuse_counters(uint64_t *out, size_t n)
 {
-    uint64_t all[FP_COUNTERS + 4 + FP_WCOUNTERS];
+    uint64_t all[FP_COUNTERS + 4 + FP_WCOUNTERS + FP_MCOUNTERS];
     for (size_t i = 0; i < FP_COUNTERS; i++)
         all[i] = __atomic_load_n(&counters[i], __ATOMIC_RELAXED);
     uint64_t pool_reads, pool_bytes, handed_back, waits;
@@ -351,8 +415,11 @@ void ckptfs_fuse_counters(uint64_t *out, size_t n)
     all[FP_COUNTERS + 3] = waits;
     for (size_t i = 0; i < FP_WCOUNTERS; i++)
         all[FP_COUNTERS + 4 + i] = __atomic_load_n(&wcounters[i], __ATOMIC_RELAXED);
-    if (n > FP_COUNTERS + 4 + FP_WCOUNTERS)
-        n = FP_COUNTERS + 4 + FP_WCOUNTERS;
+    for (size_t i = 0; i < FP_MCOUNTERS; i++)
+        all[FP_COUNTERS + 4 + FP_WCOUNTERS + i] = __atomic_load_n(&mcounters[i],
+                                                                  __ATOMIC_RELAXED);
+    if (n > FP_COUNTERS + 4 + FP_WCOUNTERS + FP_MCOUNTERS)
+        n = FP_COUNTERS + 4 + FP_WCOUNTERS + FP_MCOUNTERS;
     memcpy(out, all, n * sizeof *out);
 }
 
@@ -486,6 +553,147 @@ static int submit(int fd, const struct fuse_in_header *in, const struct fuse_rea
     return rp_submit(&job);
 }
 
+static uint32_t le32_at(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Log bytes [at, at + len) of the mapping, its pages whole. */
+typedef struct {
+    uint64_t at, len;
+} fp_span;
+
+static void map_drop(const fp_span *spans, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint64_t p0 = spans[i].at & ~(FP_PAGE - 1);
+        uint64_t p1 = (spans[i].at + spans[i].len + FP_PAGE - 1) & ~(FP_PAGE - 1);
+        madvise((void *)(map_base + p0), (size_t)(p1 - p0), MADV_DONTNEED);
+    }
+}
+
+/* Answer a READ of file bytes [off, off + size), extents [first, first +
+ * count) of t, from the log's mapping: every 64 KiB block a byte comes
+ * from checked there, then the reply written from there.  1 answered, 0
+ * not here (a hole, too many extents, past the mapping, a failed check:
+ * the copying path reads it again and reports what is wrong), 2 a page is
+ * not in the page cache (for the pool), -1 the session ended (errno
+ * ENODEV).  Trio thread, the GIL released.  The pages are in the page
+ * cache when checked: a page reclaimed between the check and its use is a
+ * blocking read here (rare), and only an I/O error on that read would be
+ * a SIGBUS. */
+static int map_answer(int fd, const struct fuse_in_header *in, const fp_table *t,
+                      size_t first, size_t count, uint64_t off, uint64_t size)
+{
+    static struct iovec iov[FP_MAP_PIECES + 1];
+    static fp_span spans[FP_MAP_PIECES];
+    static struct {
+        const ckptfs_rx_extent *e;
+        uint64_t bs, be;
+    } checks[FP_MAP_PIECES];
+    static unsigned char vec[256];
+    const uint64_t B = FP_BLOCK_BYTES, end = off + size;
+    uint64_t filled = off, prev_end = 0;
+    size_t n_iov = 1, n_spans = 0, n_checks = 0;
+
+    if (count == 0 || count > FP_MAP_PIECES)
+        return 0;
+    for (size_t i = first; i < first + count; i++) {
+        const ckptfs_rx_extent *e = &t->ext[i];
+        uint64_t nblocks = e->chunk_len / B + (e->chunk_len % B != 0);
+        if (e->length == 0 || e->file_off < prev_end || e->length > UINT64_MAX - e->file_off
+                || e->chunk_off > e->chunk_len || e->length > e->chunk_len - e->chunk_off
+                || e->crc_at > t->n_crcs || nblocks > t->n_crcs - e->crc_at
+                || e->log_off > map_len || e->chunk_len > map_len - e->log_off)
+            return 0;
+        prev_end = e->file_off + e->length;
+        uint64_t a = e->file_off > off ? e->file_off : off;
+        uint64_t b = prev_end < end ? prev_end : end;
+        if (a >= b)
+            continue;
+        if (a != filled)
+            return 0;           /* a hole: the copying path writes its zeros */
+        filled = b;
+        uint64_t ca = e->chunk_off + (a - e->file_off), cb = ca + (b - a);
+        uint64_t bs = ca - ca % B, be = cb % B ? cb - cb % B + B : cb;
+        if (be > e->chunk_len)
+            be = e->chunk_len;
+        checks[n_checks].e = e;
+        checks[n_checks].bs = bs;
+        checks[n_checks++].be = be;
+        const uint8_t *src = map_base + e->log_off + ca;
+        struct iovec *last = &iov[n_iov - 1];
+        if (n_iov > 1 && (const uint8_t *)last->iov_base + last->iov_len == src)
+            last->iov_len += (size_t)(b - a);
+        else
+            iov[n_iov++] = (struct iovec){.iov_base = (void *)src, .iov_len = (size_t)(b - a)};
+        uint64_t s0 = e->log_off + bs, s1 = e->log_off + be;
+        fp_span *sp = n_spans ? &spans[n_spans - 1] : NULL;
+        if (sp != NULL && s0 >= sp->at && s0 <= sp->at + sp->len + FP_PAGE) {
+            if (s1 > sp->at + sp->len)
+                sp->len = s1 - sp->at;
+        } else {
+            spans[n_spans++] = (fp_span){.at = s0, .len = s1 - s0};
+        }
+    }
+    if (filled != end)
+        return 0;
+    /* Every page in the page cache, else the pool waits for the disk. */
+    for (size_t i = 0; i < n_spans; i++) {
+        uint64_t p0 = spans[i].at & ~(FP_PAGE - 1);
+        uint64_t p1 = (spans[i].at + spans[i].len + FP_PAGE - 1) & ~(FP_PAGE - 1);
+        for (uint64_t q = p0; q < p1; q += sizeof vec * FP_PAGE) {
+            size_t pages = (size_t)((p1 - q) / FP_PAGE);
+            if (pages > sizeof vec)
+                pages = sizeof vec;
+            if (mincore((void *)(map_base + q), pages * FP_PAGE, vec) != 0)
+                return 0;
+            for (size_t j = 0; j < pages; j++)
+                if (!(vec[j] & 1))
+                    return 2;
+        }
+    }
+    /* Mapped in one call per span rather than a fault per 64 KiB; an error
+     * here (a page gone and its read failed) is the pool's to report. */
+    for (size_t i = 0; map_populate && i < n_spans; i++) {
+        uint64_t p0 = spans[i].at & ~(FP_PAGE - 1);
+        uint64_t p1 = (spans[i].at + spans[i].len + FP_PAGE - 1) & ~(FP_PAGE - 1);
+        if (madvise((void *)(map_base + p0), (size_t)(p1 - p0), MADV_POPULATE_READ) != 0) {
+            if (errno == EINVAL) {
+                map_populate = 0;       /* an older kernel: the check faults them in */
+                break;
+            }
+            map_drop(spans, i);
+            return 2;
+        }
+    }
+    for (size_t i = 0; i < n_checks; i++) {
+        const ckptfs_rx_extent *e = checks[i].e;
+        const uint8_t *chunk = map_base + e->log_off;
+        for (uint64_t k0 = checks[i].bs; k0 < checks[i].be; k0 += B) {
+            uint64_t k1 = k0 + B < e->chunk_len ? k0 + B : e->chunk_len;
+            if (crc32c(0, chunk + k0, (size_t)(k1 - k0))
+                    != le32_at(t->crcs + 4 * (e->crc_at + k0 / B))) {
+                map_drop(spans, n_spans);
+                return 0;
+            }
+        }
+    }
+    struct fuse_out_header out = {
+        .len = (uint32_t)(sizeof out + size), .error = 0, .unique = in->unique};
+    iov[0] = (struct iovec){.iov_base = &out, .iov_len = sizeof out};
+    ssize_t w = writev(fd, iov, (int)n_iov);
+    int e = errno;
+    map_drop(spans, n_spans);
+    if (w < 0 && e == ENODEV) {
+        errno = ENODEV;
+        return -1;              /* unmounted: libfuse ends the session */
+    }
+    /* ENOENT: the request was interrupted meanwhile, nobody waits for it. */
+    __atomic_fetch_add(&mcounters[FP_MAPPED_READS], 1, __ATOMIC_RELAXED);
+    return 1;
+}
+
 /* Answer a READ from its file's read table: 1 answered, 0 for the daemon
  * (no table, outside it, not in the page cache, a failed check), -1 the
  * session ended. */
@@ -514,6 +722,26 @@ static int answer_read(int fd, const struct fuse_in_header *in, size_t len)
     PyThreadState *saved = NULL;
     if (Py_IsInitialized() && PyGILState_Check())
         saved = PyEval_SaveThread();
+    int mapped = map_base != NULL && t->fd == map_fd
+                 ? map_answer(fd, in, t, first, count, off, size) : 0;
+    if (mapped != 0) {
+        int e = errno;
+        if (saved != NULL)
+            PyEval_RestoreThread(saved);
+        if (mapped < 0) {
+            errno = e;
+            return -1;
+        }
+        if (mapped == 2) {
+            if (submit(fd, in, rd, (uint32_t)size, t, first, count))
+                return 1;
+            bump(FP_READS_PASSED, 1);
+            return 0;
+        }
+        bump(FP_FAST_READS, 1);
+        bump(FP_FAST_READ_BYTES, size);
+        return 1;
+    }
     /* From the page cache only: waiting for the disk would stall every
      * other request; the daemon sends such a read to a worker thread. */
     int rc = read_extents(t->fd, t->ext + first, count, t->crcs, t->n_crcs, FP_BLOCK_BYTES,

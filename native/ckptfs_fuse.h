@@ -100,6 +100,13 @@ void ckptfs_fuse_caps_unknown(uint64_t ino);
  * ckptfs_hint_extents, as addresses), needed before any read table. */
 void ckptfs_fuse_read_executor(uintptr_t read_extents, uintptr_t hint_extents);
 
+/* READs whose log pages are all in the page cache are answered from a
+ * read-only mapping of the log (checked there with crc_fn, ckptfs._native's
+ * ckptfs_crc32c by address, and written to the kernel from there: one copy
+ * fewer than through a reply buffer).  off != 0 (or crc_fn 0): never, every
+ * READ is copied as before.  Call before the first read table. */
+void ckptfs_fuse_read_mapper(uintptr_t crc_fn, int off);
+
 /* Answer READs of inode ino for file bytes [start, end) (end <= the file's
  * size) from the n extents at ext (ckptfs_rx_extent[], file order, every one
  * a LOG chunk; zeros between them) whose CRCs are crcs[0, n_crcs), read from
@@ -155,7 +162,8 @@ int ckptfs_fuse_init_replied(void);
  * for its reads in the pool; out[75] the WRITEs answered here, out[76]
  * their bytes, out[77] the WRITEs of an inode with a window that went to
  * the daemon, out[78] the WRITEs answered here whose payload was spliced
- * into the log (see ckptfs_fuse_splice_writes).  n <= 79. */
+ * into the log (see ckptfs_fuse_splice_writes); out[79] the READs answered
+ * from the log's mapping (ckptfs_fuse_read_mapper).  n <= 80. */
 void ckptfs_fuse_counters(uint64_t *out, size_t n);
 
 /* A READ of a published table that missed the page cache goes to the read

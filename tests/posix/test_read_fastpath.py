@@ -142,6 +142,42 @@ def drop_log_pages(m) -> None:
         os.close(fd)
 
 
+def _vm_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+@pytest.mark.parametrize("dedup", ["on", "off"])
+def test_cached_reads_are_answered_from_the_logs_mapping(make_mount, fsck_clean, dedup):
+    """READs whose log bytes are in the page cache are checked and sent from
+    a mapping of the log (no copy into a reply buffer first): the bytes are
+    the file's at any offset and length, and the daemon's memory does not
+    grow by what it sent (each READ's pages are unmapped after its reply)."""
+    m = make_mount(options=["pmem_size=256M", f"dedup={dedup}"])
+    want = rand(48 * MiB + 999, 31)
+    (m.path / "f").write_bytes(want)
+    m.remount()
+    fd = os.open(m.path / "f", os.O_RDONLY)
+    try:
+        assert pread_all(fd, len(want), 0) == want      # the log's pages now cached
+        drop_pages(fd)
+        before, hwm_kib = m.stat(), _vm_kib(m.pid, "VmHWM")
+        assert pread_all(fd, len(want), 0) == want
+        check_random_reads(fd, want, seed=32, reads=40, max_bytes=3 * MiB)
+        after = m.stat()
+        grew_kib = _vm_kib(m.pid, "VmHWM") - hwm_kib
+    finally:
+        os.close(fd)
+    mapped = after["fuse_read_mapped"] - before["fuse_read_mapped"]
+    assert mapped >= 40, f"only {mapped} READs were answered from the log's mapping"
+    assert grew_kib < 16 * 1024, f"the daemon's peak RSS grew by {grew_kib} KiB"
+    assert after["errors"] == {}
+    check_clean(fsck_clean, m)
+
+
 def test_page_cache_misses_are_answered_on_c_threads(make_mount):
     m = make_mount(options=["pmem_size=256M"], over_itself=False)
     want = rand(40 * MiB + 4321, 11)
