@@ -49,7 +49,10 @@ READs inside them from that memory without the interpreter. A READ answered
 there past the table's mark (a quarter of the look-ahead past the last
 top-up) wakes `cold_refill` (fastpath.serve_cold_refills), which tops the
 look-ahead up, moves the window on if it would cut the publication short,
-and publishes further: a sequential restore sends no READ here for that. Each piece keeps
+and publishes further: a sequential restore sends no READ here for that;
+then `cold_warm` reads the index pages of the map ahead into memory on a
+worker thread, as `load_ahead` does, so the next refills' window loads do
+not wait for the disk on the trio thread. Each piece keeps
 a view of its bytes until it is withdrawn (with the window, or trimmed
 behind the reader), so the cache can evict a chunk but not reuse or free
 what C may still read.
@@ -644,6 +647,20 @@ class ChunkReader:
         # read_to is the furthest READ's end: the kernel's read-ahead
         # sends the READs before it out of order, up to ~18 MiB behind.
         self._publish_cold(window, read_to, refill=True, behind=WINDOW_BACK_BYTES)
+
+    async def cold_warm(self, ino: int, read_to: int) -> None:
+        """After cold_refill (fastpath.serve_cold_refills): the index pages
+        of ino's map and chunk records WARM_AHEAD_BYTES past read_to are read
+        into memory on a worker thread, those not read before, so that the
+        next refills' window loads and look-aheads on the trio thread do not
+        wait for the disk (after a cache drop, each page is a disk read and
+        every READ waits behind it), as load_ahead does for LOG windows."""
+        window = self._windows.get(ino)
+        if window is None or window.cold_pins is None:
+            return                  # dropped, or not a cold reader in C
+        size = window.file_size
+        await self._touch_index_ahead(ino, max(read_to, window.start),
+                                      min(read_to + WARM_AHEAD_BYTES, size))
 
     def _cold_fetched(self, ino: int) -> None:
         """The prefetcher fetched cold chunks for ino's reader: publish them."""

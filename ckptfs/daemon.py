@@ -570,7 +570,8 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
                 # Read tables loaded ahead of sequential readers.
                 inner.start_soon(fastpath.serve_read_ahead, fs.files.reader.load_ahead)
                 # Cold look-aheads topped up for readers answered in C.
-                inner.start_soon(fastpath.serve_cold_refills, fs.files.reader.cold_refill)
+                inner.start_soon(fastpath.serve_cold_refills, fs.files.reader.cold_refill,
+                                 fs.files.reader.cold_warm)
             if fs.tierer is not None:
                 await inner.start(fs.tierer.run)
             if merged is not None:

@@ -466,3 +466,46 @@ def test_a_sequential_cold_reader_answered_in_c_tops_the_look_ahead_up_without_p
     assert in_python <= 2, f"{in_python} of {size // MiB} READs went to Python"
     m.umount()
 
+
+
+def trio_thread_major_faults(pid: int) -> int:
+    """Major page faults (each a disk read) the daemon's trio thread took."""
+    fields = open(f"/proc/{pid}/task/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[9])
+
+
+def test_a_cold_reader_in_c_finds_the_index_pages_of_its_next_refills_in_memory(make_mount):
+    # After a cache drop each index page the trio thread's refills touch
+    # (window loads, look-aheads: extents and chunk records) is a disk read
+    # every READ waits behind. Each refill has those of the next
+    # WARM_AHEAD_BYTES read in on a worker thread, as LOG windows have.
+    from ckptfs.tierplan import TierPolicy
+
+    depth = TierPolicy().prefetch_bytes
+    m = make_mount(options=["pmem_size=512M"])
+    size = depth * 4
+    data = incompressible(size // 2, 7) + incompressible(size // 2, 8)
+    write_file(m.path / "cold.bin", data)
+    tier_now(m)
+    m.remount()
+    # The index's pages the daemon has not mapped yet leave the page cache
+    # (the mount hides its state directory: reached through the daemon's fd).
+    fds = f"/proc/{m.pid}/fd"
+    mdbs = [os.path.join(fds, n) for n in os.listdir(fds)
+            if os.readlink(os.path.join(fds, n)).endswith("/data.mdb")]
+    assert mdbs
+    for mdb in mdbs:
+        fd = os.open(mdb, os.O_RDONLY)
+        try:
+            drop_pages(fd)
+        finally:
+            os.close(fd)
+    with open(m.path / "cold.bin", "rb", buffering=0) as f:
+        for k in range(size // MiB):
+            if k == size // MiB // 2:
+                halfway = trio_thread_major_faults(m.pid)
+            assert f.read(MiB) == data[k * MiB:(k + 1) * MiB]
+    faults = trio_thread_major_faults(m.pid) - halfway
+    # Before: the second half's pages, one disk read at a time (~30 here).
+    assert faults <= 3, f"the trio thread waited for {faults} index pages in the second half"
+    m.umount()
