@@ -328,7 +328,10 @@ class ChunkReader:
         window.read_to = max(window.read_to, end) if sequential else end
         if not sequential or window.hinted_to >= end + HINT_BYTES // 2:
             return
-        start = max(window.hinted_to, end)
+        # From the read's own bytes if not asked for yet (the reader's first
+        # read, or its first after a jump): their disk reads go first, not
+        # behind the HINT_BYTES ahead of them.
+        start = max(window.hinted_to, off)
         stop = min(end + HINT_BYTES, window.end)
         window.hinted_to = stop
         if stop > start:

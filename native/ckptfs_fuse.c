@@ -511,7 +511,10 @@ static void hint_ahead(fp_table *t, uint64_t off, uint64_t end)
     }
     if (!sequential || t->hinted_to >= end + FP_HINT_BYTES / 2)
         return;
-    uint64_t from = t->hinted_to > end ? t->hinted_to : end;
+    /* From the READ's own bytes when they were not asked for yet (a reader's
+     * first READ, or its first after a jump): their disk reads are queued
+     * first, not behind the 16 MiB ahead of them. */
+    uint64_t from = t->hinted_to > off ? t->hinted_to : off;
     uint64_t to = end + FP_HINT_BYTES < t->end ? end + FP_HINT_BYTES : t->end;
     t->hinted_to = to;
     if (to > from)
