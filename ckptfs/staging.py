@@ -175,7 +175,9 @@ class ChunkStream:
 
     base: int                        # file offset of the chunker's position 0
     next_off: int                    # where the next write must start to continue it
-    chunker: BatchChunker
+    # None after a commit's cut until the stream's next bytes arrive (`cutter`):
+    # a small file's stream, cut at its close, is never written again.
+    chunker: Optional[BatchChunker]
     arena: Optional[StagedRecord] = None
     cursor: int = 0                  # log offset for the next byte in the arena
     # (file offset, log offset, staged no) where each arena begins, for cuts.
@@ -195,6 +197,12 @@ class ChunkStream:
         self.ready.clear()
         self.ready_bytes = 0
         self.fed.set()
+
+    def cutter(self) -> BatchChunker:
+        """The chunker, made fresh if a cut left none."""
+        if self.chunker is None:
+            self.chunker = BatchChunker(detect_format=False)
+        return self.chunker
 
     def locate(self, file_off: int) -> tuple[int, int]:
         """(log offset, staged no) of a streamed byte."""
@@ -457,7 +465,8 @@ class WriteStager:
         self.close_window(df)
         async with df.cutting():
             stream = df.stream
-            if stream is not None and stream.alive and stream.chunker.position:
+            if stream is not None and stream.alive and stream.chunker is not None \
+                    and stream.chunker.position:
                 batch = await self._inline_if_small(stream.chunker.position,
                                                     self.finish_stream_blocking, stream)
                 self.store_once(df, batch)
@@ -602,24 +611,24 @@ class WriteStager:
             assert plan.ticket == stream.next_ticket
             stream.next_ticket += 1
             if plan.cut_at is not None:
-                stream.chunker.add_boundaries([plan.cut_at - stream.base])
+                stream.cutter().add_boundaries([plan.cut_at - stream.base])
             # One native pass names every chunk the write completes; a chunk
             # begun by earlier writes was hashed as they passed, nothing is read back.
             if isinstance(data, LogBytes):
                 # Answered in C: its bytes are in the log (and its page
                 # cache), read where they are (the chunker copies none).
                 with self.log.unverified_view(data.log_off, data.length) as view:
-                    named = stream.chunker.feed_named(view)
+                    named = stream.cutter().feed_named(view)
             else:
-                named = stream.chunker.feed_named(memoryview(data)[plan.stream_pos:])
+                named = stream.cutter().feed_named(memoryview(data)[plan.stream_pos:])
             self._locate(stream, named, batch)
         return batch
 
     def finish_stream_blocking(self, stream: ChunkStream) -> ChunkBatch:
         """Cut the stream's unfinished tail; later writes start a fresh chunker. May block."""
-        batch = self._locate(stream, stream.chunker.finish_named())
+        batch = self._locate(stream, stream.cutter().finish_named())
         stream.base = stream.next_off
-        stream.chunker = BatchChunker(detect_format=False)
+        stream.chunker = None           # made again if more bytes come (`cutter`)
         return batch
 
     @staticmethod
