@@ -578,9 +578,9 @@ static void map_drop(const fp_span *spans, size_t n)
 /* Answer a READ of file bytes [off, off + size), extents [first, first +
  * count) of t, from the log's mapping: every 64 KiB block a byte comes
  * from checked there, then the reply written from there.  1 answered, 0
- * not here (a hole, too many extents, past the mapping, a failed check:
- * the copying path reads it again and reports what is wrong), 2 a page is
- * not in the page cache (for the pool), -1 the session ended (errno
+ * not here (a hole, too many extents, past the mapping, a failed check or
+ * writev: the copying path reads it again and reports what is wrong), 2 a
+ * page is not in the page cache (for the pool), -1 the session ended (errno
  * ENODEV).  Trio thread, the GIL released.  The pages are in the page
  * cache when checked: a page reclaimed between the check and its use is a
  * blocking read here (rare), and only an I/O error on that read would be
@@ -692,6 +692,11 @@ static int map_answer(int fd, const struct fuse_in_header *in, const fp_table *t
         errno = ENODEV;
         return -1;              /* unmounted: libfuse ends the session */
     }
+    /* Any other failure (EFAULT: a page reclaimed since the check whose read
+     * from the disk failed) wrote nothing, and the READ still waits: the
+     * copying path reads it again and answers, with EIO if the disk says so. */
+    if (w < 0 && e != ENOENT)
+        return 0;
     /* ENOENT: the request was interrupted meanwhile, nobody waits for it. */
     __atomic_fetch_add(&mcounters[FP_MAPPED_READS], 1, __ATOMIC_RELAXED);
     return 1;
