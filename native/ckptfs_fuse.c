@@ -566,11 +566,18 @@ typedef struct {
     uint64_t at, len;
 } fp_span;
 
+/* The whole pages [*p0, *p1) a span lies in. */
+static void span_pages(const fp_span *s, uint64_t *p0, uint64_t *p1)
+{
+    *p0 = s->at & ~(FP_PAGE - 1);
+    *p1 = (s->at + s->len + FP_PAGE - 1) & ~(FP_PAGE - 1);
+}
+
 static void map_drop(const fp_span *spans, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
-        uint64_t p0 = spans[i].at & ~(FP_PAGE - 1);
-        uint64_t p1 = (spans[i].at + spans[i].len + FP_PAGE - 1) & ~(FP_PAGE - 1);
+        uint64_t p0, p1;
+        span_pages(&spans[i], &p0, &p1);
         madvise((void *)(map_base + p0), (size_t)(p1 - p0), MADV_DONTNEED);
     }
 }
@@ -643,8 +650,8 @@ static int map_answer(int fd, const struct fuse_in_header *in, const fp_table *t
         return 0;
     /* Every page in the page cache, else the pool waits for the disk. */
     for (size_t i = 0; i < n_spans; i++) {
-        uint64_t p0 = spans[i].at & ~(FP_PAGE - 1);
-        uint64_t p1 = (spans[i].at + spans[i].len + FP_PAGE - 1) & ~(FP_PAGE - 1);
+        uint64_t p0, p1;
+        span_pages(&spans[i], &p0, &p1);
         for (uint64_t q = p0; q < p1; q += sizeof vec * FP_PAGE) {
             size_t pages = (size_t)((p1 - q) / FP_PAGE);
             if (pages > sizeof vec)
@@ -659,8 +666,8 @@ static int map_answer(int fd, const struct fuse_in_header *in, const fp_table *t
     /* Mapped in one call per span rather than a fault per 64 KiB; an error
      * here (a page gone and its read failed) is the pool's to report. */
     for (size_t i = 0; map_populate && i < n_spans; i++) {
-        uint64_t p0 = spans[i].at & ~(FP_PAGE - 1);
-        uint64_t p1 = (spans[i].at + spans[i].len + FP_PAGE - 1) & ~(FP_PAGE - 1);
+        uint64_t p0, p1;
+        span_pages(&spans[i], &p0, &p1);
         if (madvise((void *)(map_base + p0), (size_t)(p1 - p0), MADV_POPULATE_READ) != 0) {
             if (errno == EINVAL) {
                 map_populate = 0;       /* an older kernel: the check faults them in */
