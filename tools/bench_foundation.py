@@ -879,7 +879,7 @@ class Bench:
             os.close(fd)
             if got != s.tier_bytes:
                 raise RuntimeError(f"{t.name}: {label} got {got} bytes")
-            d.update(self._daemon_info(t, "read"))
+            d.update(self._daemon_info(t, label))      # each read its own counters
             d[label + "_cold_fetches"] = t.daemon_stats().get("cold_fetches")
         verify_file(path, self.pool.view, s.tier_bytes)
         t.finish()
