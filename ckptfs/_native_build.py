@@ -97,7 +97,7 @@ def make_builder(root: str) -> FFI:
         '#include "ckptfs_native.h"\n#include "ckptfs_readx.h"\n#include "ckptfs_logwr.h"',
         sources=[os.path.join(root, "native", name)
                  for name in ("ckptfs_native.c", "ckptfs_beneath.c", "ckptfs_readx.c",
-                              "ckptfs_cold.c", "ckptfs_logwr.c")],
+                              "ckptfs_cold.c", "ckptfs_logwr.c", "ckptfs_logfault.c")],
         include_dirs=[os.path.join(root, "native")] + ([str(b3)] if b3 else []),
         define_macros=[("CKPTFS_HAVE_BLAKE3", "1")] if b3 else [],
         extra_objects=_blake3_objects(b3) if b3 else [],

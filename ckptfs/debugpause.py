@@ -9,7 +9,10 @@ not yet named by the index), pass-done (a pass finished and durable),
 pack-dead (a pack that lost its last chunk left the index, its blob not yet
 deleted), publish-failed (a publishing round failed, its error not yet
 recorded), stream-feed (a write stream's chunk feed, behind writes already
-answered: staging.py). Unset (always, outside tests), `pausing_at` is False everywhere.
+answered: staging.py), log-view (the log's in-place view for the chunk
+feed, its pages populated, not read yet: pmemlog.py), mapped-read (a READ
+answered from the log's mapping, its pages populated, not checked yet: read
+by native/ckptfs_fuse.c itself, on the trio thread). Unset (always, outside tests), `pausing_at` is False everywhere.
 
 `pause_blocking` waits on a worker thread (blocks); `pause` on the trio
 thread (only the calling task waits).

@@ -122,11 +122,19 @@ def caps_unknown(ino: int) -> None:
 _executor_given = False
 
 
+def _log_faults() -> int:
+    """SIGBUS faults on the log's mappings this daemon survived (ckptfs_logfault.c)."""
+    from ckptfs import native
+    return native.log_faults()
+
+
 def _give_executor() -> None:
     """The read executor's functions to the C module (which starts its read pool)."""
     global _executor_given
     if not _executor_given:
         from ckptfs import native
+        if hasattr(lib, "ckptfs_fuse_log_faults"):
+            lib.ckptfs_fuse_log_faults(native.log_fault_api_address())
         if hasattr(lib, "ckptfs_fuse_read_mapper"):
             lib.ckptfs_fuse_read_mapper(native.crc32c_address(),
                                         1 if os.environ.get(MAPPED_DISABLE_ENV) == "1" else 0)
@@ -390,14 +398,14 @@ def stats() -> dict[str, object]:
                 "fuse_read_handed_back": 0, "fuse_read_withdrawals_waited": 0,
                 "fuse_write_answered_in_c": 0, "fuse_write_bytes_in_c": 0,
                 "fuse_write_passed_on": 0, "fuse_write_spliced": 0,
-                "fuse_read_mapped": 0}
+                "fuse_read_mapped": 0, "log_faults": _log_faults()}
     cold = _cold_counters()
     out = ffi.new("uint64_t[]", _N_COUNTERS)
     lib.ckptfs_fuse_counters(out, _N_COUNTERS)
     requests = {OPCODES.get(i, f"OP{i}"): int(out[i]) for i in range(_N_OPCODES) if out[i]}
     if out[_N_OPCODES]:
         requests["OTHER"] = int(out[_N_OPCODES])
-    return {"fuse_fastpath": hooked(), "fuse_requests": requests,
+    return {"fuse_fastpath": hooked(), "fuse_requests": requests, "log_faults": _log_faults(),
             "fuse_write_bytes": int(out[_N_OPCODES + 1]),
             "fuse_getxattr_answered_in_c": int(out[_N_OPCODES + 2]),
             "fuse_read_answered_in_c": int(out[_N_OPCODES + 4]),

@@ -860,7 +860,7 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
             log_problem = f"the log {pmem_path} is missing"
         else:
             try:
-                plog = PmemLog.open(pmem_path, None, fs_uuid)
+                plog = PmemLog.open(pmem_path, None, fs_uuid, allow_short=True)
             except CkptfsError as e:
                 log_problem = f"the log {pmem_path} cannot be used: {e}"
         store_uuid = ix.get_store_uuid(index)
@@ -878,6 +878,10 @@ def run_fsck(source: str, option_strings: Iterable[str], repair: bool = False,
         checker = Fsck(index, plog, source_fd, verify_data=verify_data, backend=backend,
                        log_problem=log_problem, store_problem=store_problem)
         checker.run()
+        if plog is not None and plog.cut_to is not None:
+            checker.problem("log", f"the log {pmem_path} was cut short outside ckptfs: "
+                            f"{plog.cut_to} of its {plog.size_bytes} bytes are left, the "
+                            "chunks past its end are lost (listed as data problems)")
         for f in checker.findings:
             print(f"problem [{f.check}] {f.message}", file=out)
         if checker.twins:

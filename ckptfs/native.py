@@ -580,6 +580,56 @@ def crc32c_address() -> int:
     return int(ffi.cast("uintptr_t", ffi.addressof(lib, "ckptfs_crc32c")))
 
 
+# ---- log faults (native/ckptfs_logfault.c) ------------------------------------
+
+__all__ += ["guard_log_mapping", "unguard_log_mapping", "log_fault_gen", "log_mapping_clean",
+            "repair_log_mapping", "log_faults", "log_fault_api_address"]
+
+
+def guard_log_mapping(mapping: mmap.mmap, writable: bool) -> int:
+    """Guard a shared mapping of the log: a SIGBUS on one of its pages is
+    a zero page and a counted fault, not a dead process. The slot, or -1
+    (then nothing may be read from it in place). Unguard before it closes."""
+    with ffi.from_buffer(mapping) as buf:
+        base = int(ffi.cast("uintptr_t", buf))
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    return int(lib.ckptfs_logfault_guard(base, len(mapping), prot))
+
+
+def unguard_log_mapping(slot: int) -> None:
+    lib.ckptfs_logfault_unguard(slot)
+
+
+def log_fault_gen() -> int:
+    """Take before touching a guarded mapping (`log_mapping_clean` after)."""
+    return int(lib.ckptfs_logfault_gen())
+
+
+def log_mapping_clean(slot: int, gen0: int) -> bool:
+    """No log fault came since gen0 and no page of slot's mapping is zeroed:
+    what was read from it is the file's."""
+    return bool(lib.ckptfs_logfault_clean(slot, gen0))
+
+
+def repair_log_mapping(slot: int, fd: int) -> int:
+    """Map the log file (fd, mapped from offset 0) back over the slot's
+    zeroed pages: how many. Raises OSError if mmap fails."""
+    n = int(lib.ckptfs_logfault_repair(slot, fd, 0))
+    if n < 0:
+        raise OSError(-n, f"mapping the log back after a fault: {os.strerror(-n)}")
+    return n
+
+
+def log_faults() -> int:
+    """Faults on guarded log mappings since the process started."""
+    return int(lib.ckptfs_logfault_count())
+
+
+def log_fault_api_address() -> int:
+    """The guard's functions for the FUSE fast path (ckptfs_logfault.h)."""
+    return int(lib.ckptfs_logfault_api_address())
+
+
 # ---- the log writer (ckptfs/logwriter.py, native/ckptfs_logwr.h) ----------------
 
 __all__ += ["WriterThreads"]

@@ -41,6 +41,7 @@ from typing import Iterable, Iterator, Optional
 from sortedcontainers import SortedDict
 
 from . import native
+from .debugpause import pause_blocking, pausing_at
 from .errors import DamagedData, FormatError, NoSpace, OperationFailed
 from .index import CRC_BLOCK_BYTES
 
@@ -85,6 +86,10 @@ class PmemLog:
         self._cursor = SUPERBLOCK_BYTES  # next-fit keeps writes sequential in the log
         self._scratch = threading.local()  # read_extents_into's partial blocks, per thread
         self._closers: list = []         # run before the fd closes (logwriter's threads)
+        self.cut_to: Optional[int] = None  # the file's end, if cut short (open's allow_short)
+        # A SIGBUS on the mapping is a counted fault, not a dead daemon
+        # (native/ckptfs_logfault.c); unguarded (-1: DAX, or no slot), views copy.
+        self._fault_slot = -1 if dax else native.guard_log_mapping(mapping, writable=True)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -120,7 +125,7 @@ class PmemLog:
 
     @classmethod
     def open(cls, path: str, size_bytes: Optional[int], fs_uuid: bytes,
-             format_blank: bool = False) -> "PmemLog":
+             format_blank: bool = False, allow_short: bool = False) -> "PmemLog":
         """Open a log (a file or a DAX device); create a missing file. May block.
 
         size_bytes=None keeps the log's size; a larger size grows it; a
@@ -128,12 +133,18 @@ class PmemLog:
         log (superblock page all zero: a new device, an empty file) is
         formatted only with format_blank (the index names nothing in it);
         a device then gets size_bytes, or all of it.
+
+        A log file shorter than its superblock says (cut short outside
+        ckptfs: its end is lost) is refused, unless allow_short (fsck: only
+        the part that is there is mapped, reads past it fail as damaged;
+        `cut_to` says where it ends).
         """
         if not os.path.exists(path):
             if size_bytes is None:
                 raise FormatError(f"{path}: no pmem_size given for a new log")
             return cls.create(path, size_bytes, fs_uuid)
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        cut_to = None
         try:
             st = os.fstat(fd)
             is_device = stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode)
@@ -156,7 +167,15 @@ class PmemLog:
                 if stored_uuid != fs_uuid:
                     raise FormatError(f"{path} belongs to another ckptfs filesystem (each "
                                       "needs its own log: point pmem= at another path)")
-                if size_bytes is None or size_bytes == stored_size:
+                if not is_device and current < stored_size:
+                    if not allow_short:
+                        raise FormatError(
+                            f"{path} is {current} bytes, but the log is {stored_size}: it was "
+                            f"cut short outside ckptfs and the data past byte {current} is "
+                            "lost (ckptfs fsck SOURCE lists the chunks; `truncate -s "
+                            f"{stored_size} {path}` lets it mount, reads of them give EIO)")
+                    cut_to, size_bytes = current, stored_size
+                elif size_bytes is None or size_bytes == stored_size:
                     size_bytes = stored_size
                 elif size_bytes < stored_size:
                     raise FormatError(f"{path}: pmem_size {size_bytes} is smaller than the "
@@ -174,12 +193,17 @@ class PmemLog:
         except BaseException:
             os.close(fd)
             raise
-        return cls._mapped(path, fd, size_bytes)
+        if cut_to is None:
+            return cls._mapped(path, fd, size_bytes)
+        plog = cls._mapped(path, fd, size_bytes, map_bytes=cut_to // PAGE_BYTES * PAGE_BYTES)
+        plog.cut_to = cut_to
+        return plog
 
     @classmethod
-    def _mapped(cls, path: str, fd: int, size_bytes: int) -> "PmemLog":
+    def _mapped(cls, path: str, fd: int, size_bytes: int,
+                map_bytes: Optional[int] = None) -> "PmemLog":
         try:
-            mapping, dax = native.map_log(fd, size_bytes)
+            mapping, dax = native.map_log(fd, map_bytes or size_bytes)
         except BaseException:
             os.close(fd)
             raise
@@ -235,6 +259,8 @@ class PmemLog:
         try:
             while self._closers:
                 self._closers.pop()()
+            native.unguard_log_mapping(self._fault_slot)
+            self._fault_slot = -1
             try:
                 self.mapping.close()
             except BufferError:
@@ -477,11 +503,27 @@ class PmemLog:
         the pages), so the daemon's RSS does not grow with the log. Where
         it cannot be mapped in (a page that cannot be read back: that would
         be a SIGBUS on access; a kernel before 5.14), the bytes are copied
-        out with pread as before, and a read error is DamagedData. May block."""
+        out with pread as before, and a read error is DamagedData.
+
+        A page that faults while the caller reads the view anyway (the log
+        cut short, or a page reclaimed after the populate whose read from
+        the disk failed) reads as zeros and the view's exit raises
+        DamagedData: what the caller computed from it must be thrown away
+        (native/ckptfs_logfault.c). May block."""
         if length <= 0:
             yield memoryview(b"")
             return
+        gen0 = 0
         if not self.dax:
+            gen0 = native.log_fault_gen()
+            if not native.log_mapping_clean(self._fault_slot, gen0):
+                # Unguarded, or a page still zeroed by an earlier fault.
+                if self._fault_slot >= 0:
+                    native.repair_log_mapping(self._fault_slot, self.fd)
+                buf = memoryview(bytearray(length))
+                self._read_exact(buf, off)
+                yield buf
+                return
             page = mmap.PAGESIZE
             start = off - off % page
             end = min(-(-(off + length) // page) * page, len(self.mapping))
@@ -492,6 +534,8 @@ class PmemLog:
                 self._read_exact(buf, off)
                 yield buf
                 return
+            if pausing_at("log-view"):
+                pause_blocking("log-view")
         whole = memoryview(self.mapping)
         view = whole[off:off + length]
         try:
@@ -504,6 +548,11 @@ class PmemLog:
                 hi = min(-(-(off + length) // _UNMAP_ALIGN_BYTES) * _UNMAP_ALIGN_BYTES,
                          len(self.mapping))
                 self.mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        if not self.dax and not native.log_mapping_clean(self._fault_slot, gen0):
+            native.repair_log_mapping(self._fault_slot, self.fd)
+            raise DamagedData(f"log {self.path}: a page of bytes {off}..{off + length} could "
+                              "not be read while read in place (SIGBUS: the log file cut "
+                              "short, or a read from the disk failed)")
 
 
 def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -8,6 +8,7 @@
 #include "ckptfs_readpool.h"
 #include "ckptfs_readx.h"
 #include "ckptfs_coldtable_answer.h"
+#include "ckptfs_logfault.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -126,6 +127,15 @@ static const uint8_t *map_base;
 static uint64_t map_len;
 static int map_off;                 /* 1: CKPTFS_NO_MAPPED_READS=1, or mapping failed */
 static int map_populate = 1;        /* 0: the kernel has no MADV_POPULATE_READ */
+/* A SIGBUS on the mapping (the log cut short, a page whose read failed
+ * after the populate) is a zero page and a new generation here, not a dead
+ * daemon (ckptfs_logfault.c): without that guard, nothing is read in place. */
+static const ckptfs_logfault_api *log_faults;
+static int map_slot = -1;
+/* Test hook: CKPTFS_DEBUG_PAUSE=mapped-read:PATH stops the first mapped READ
+ * after its pages are populated, before they are checked, while PATH exists
+ * (debugpause.py), so a test can cut the log file there. */
+static const char *map_pause_path;
 static uint64_t mcounters[FP_MCOUNTERS];
 static uint8_t *reply_buf;          /* FP_READ_MAX bytes, then the executor's scratch */
 static int ahead_fd = -1;           /* readable: a reader wants its next table */
@@ -234,18 +244,42 @@ void ckptfs_fuse_read_mapper(uintptr_t crc_fn, int off)
 {
     crc32c = (fp_crc_fn)crc_fn;
     map_off = off != 0 || crc_fn == 0;
+    const char *pause = getenv("CKPTFS_DEBUG_PAUSE");
+    if (pause != NULL && strncmp(pause, "mapped-read:", 12) == 0 && pause[12] != '\0')
+        map_pause_path = strdup(pause + 12);
+}
+
+void ckptfs_fuse_log_faults(uintptr_t api)
+{
+    log_faults = (const ckptfs_logfault_api *)api;
+}
+
+static void map_pause(void)
+{
+    const char *path = map_pause_path;
+    if (path == NULL)
+        return;
+    map_pause_path = NULL;      /* once */
+    int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (fd >= 0)
+        close(fd);
+    struct timespec tick = {.tv_sec = 0, .tv_nsec = 20000000L};
+    while (access(path, F_OK) == 0)
+        nanosleep(&tick, NULL);
 }
 
 /* Map the log of fd (once; again if fd is another file now).  Trio thread. */
 static void map_log(int fd)
 {
     struct stat st;
-    if (map_off || crc32c == NULL || fstat(fd, &st) != 0)
+    if (map_off || crc32c == NULL || log_faults == NULL || fstat(fd, &st) != 0)
         return;
     if (map_base != NULL && map_fd == fd && map_dev == st.st_dev && map_ino == st.st_ino
             && map_len == (uint64_t)st.st_size)
         return;
     if (map_base != NULL) {
+        log_faults->unguard(map_slot);
+        map_slot = -1;
         munmap((void *)map_base, (size_t)map_len);
         map_base = NULL;
         map_fd = -1;
@@ -255,6 +289,11 @@ static void map_log(int fd)
     void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED)
         return;                 /* reads copy through reply_buf as before */
+    map_slot = log_faults->guard((uintptr_t)p, (size_t)st.st_size, PROT_READ);
+    if (map_slot < 0) {
+        munmap(p, (size_t)st.st_size);
+        return;
+    }
     /* Pages come and go per READ: no read-ahead of the mapping's own. */
     madvise(p, (size_t)st.st_size, MADV_RANDOM);
     map_base = p;
@@ -608,6 +647,13 @@ static int map_answer(int fd, const struct fuse_in_header *in, const fp_table *t
 
     if (count == 0 || count > FP_MAP_PIECES)
         return 0;
+    /* What is read from the mapping counts only if no log fault came
+     * between here and the end of the checks (ckptfs_logfault.h). */
+    uint64_t gen0 = log_faults->gen();
+    if (!log_faults->clean(map_slot, gen0)) {
+        log_faults->repair(map_slot, map_fd, 0);
+        return 0;               /* this one copied: the copying path reports */
+    }
     for (size_t i = first; i < first + count; i++) {
         const ckptfs_rx_extent *e = &t->ext[i];
         uint64_t nblocks = e->chunk_len / B + (e->chunk_len % B != 0);
@@ -677,6 +723,7 @@ static int map_answer(int fd, const struct fuse_in_header *in, const fp_table *t
             return 2;
         }
     }
+    map_pause();
     for (size_t i = 0; i < n_checks; i++) {
         const ckptfs_rx_extent *e = checks[i].e;
         const uint8_t *chunk = map_base + e->log_off;
@@ -688,6 +735,13 @@ static int map_answer(int fd, const struct fuse_in_header *in, const fp_table *t
                 return 0;
             }
         }
+    }
+    /* A fault while checking: a zero page may have been checked (and
+     * would be written); the copying path reads the file again. */
+    if (!log_faults->clean(map_slot, gen0)) {
+        map_drop(spans, n_spans);
+        log_faults->repair(map_slot, map_fd, 0);
+        return 0;
     }
     struct fuse_out_header out = {
         .len = (uint32_t)(sizeof out + size), .error = 0, .unique = in->unique};

@@ -107,6 +107,11 @@ void ckptfs_fuse_read_executor(uintptr_t read_extents, uintptr_t hint_extents);
  * READ is copied as before.  Call before the first read table. */
 void ckptfs_fuse_read_mapper(uintptr_t crc_fn, int off);
 
+/* The log-fault guard (ckptfs_logfault_api_address() of _native): the
+ * mapping is guarded, and what a READ read from it counts only if no fault
+ * came meanwhile.  Without it, READs are never answered from the mapping. */
+void ckptfs_fuse_log_faults(uintptr_t api);
+
 /* Answer READs of inode ino for file bytes [start, end) (end <= the file's
  * size) from the n extents at ext (ckptfs_rx_extent[], file order, every one
  * a LOG chunk; zeros between them) whose CRCs are crcs[0, n_crcs), read from

@@ -230,4 +230,28 @@ int ckptfs_verify_payloads(const void *buf, size_t buf_len, size_t n,
                            const uint64_t *offs, const uint64_t *lens,
                            const uint32_t *crcs, const uint8_t *ids, int *what);
 
+/* ---- log faults (native/ckptfs_logfault.c) -------------------------------
+ *
+ * Guard a shared mapping of the log, [base, base + len) mapped with prot:
+ * a SIGBUS on one of its pages (the file cut short, a page whose read from
+ * the disk failed) maps a zero page over that page and is counted, instead
+ * of killing the process (the SIGBUS handler is installed with the first
+ * guard; a SIGBUS outside every guarded mapping goes where it went before).
+ * Returns the slot, or -1 (too many mappings: do not read it in place).
+ * A reader of a guarded mapping takes gen0 = ckptfs_logfault_gen() before
+ * it touches it, and trusts what it read only if ckptfs_logfault_clean(slot,
+ * gen0) says 1 after; else it reads the bytes again by copying them, and
+ * ckptfs_logfault_repair maps the file (fd, whose offset file_off is at
+ * base) back over the slot's zeroed pages (a count, or -errno).  Unguard
+ * before the mapping goes.  Any thread; the handler is async-signal-safe. */
+int ckptfs_logfault_guard(uintptr_t base, size_t len, int prot);
+void ckptfs_logfault_unguard(int slot);
+uint64_t ckptfs_logfault_gen(void);
+int ckptfs_logfault_clean(int slot, uint64_t gen0);
+int ckptfs_logfault_repair(int slot, int fd, uint64_t file_off);
+/* Faults on guarded mappings handled since the process started. */
+uint64_t ckptfs_logfault_count(void);
+/* The functions above as a ckptfs_logfault_api (ckptfs_logfault.h), for _fusepath. */
+uintptr_t ckptfs_logfault_api_address(void);
+
 #endif
