@@ -33,7 +33,7 @@
 #include <unistd.h>
 
 #define LF_SLOTS 32                 /* mappings guarded at once */
-#define LF_PAGES 64                 /* poisoned pages remembered for repair */
+#define LF_PAGES 1024               /* poisoned pages remembered for repair */
 #define LF_CLAIMED 1                /* a poisoned[] entry being written or repaired */
 
 typedef struct {
@@ -89,9 +89,17 @@ static void on_sigbus(int sig, siginfo_t *si, void *ctx)
         if (len == 0 || at < base || at - base >= len)
             continue;
         uintptr_t page = at & ~(uintptr_t)(page_bytes - 1);
+        /* Counted before the zero page is there: a reader that finds it
+         * sees the count; recorded only after: a repair never maps the
+         * file back before the zero page lands (it would stay, uncounted). */
         __atomic_fetch_add(&maps[s].outstanding, 1, __ATOMIC_SEQ_CST);
         __atomic_fetch_add(&generation, 1, __ATOMIC_SEQ_CST);
         __atomic_fetch_add(&faults, 1, __ATOMIC_RELAXED);
+        long r = syscall(SYS_mmap, (void *)page, (size_t)page_bytes, PROT_READ,
+                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0L);
+        errno = saved_errno;
+        if (r == -1)
+            break;              /* could not continue: die as before */
         int kept = 0;
         for (int i = 0; i < LF_PAGES && !kept; i++) {
             uintptr_t free_slot = 0;
@@ -104,11 +112,6 @@ static void on_sigbus(int sig, siginfo_t *si, void *ctx)
         }
         if (!kept)
             __atomic_store_n(&maps[s].lost, 1, __ATOMIC_SEQ_CST);   /* never clean again */
-        long r = syscall(SYS_mmap, (void *)page, (size_t)page_bytes, PROT_READ,
-                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0L);
-        errno = saved_errno;
-        if (r == -1)
-            break;              /* could not continue: die as before */
         return;
     }
     errno = saved_errno;
