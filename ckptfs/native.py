@@ -582,6 +582,7 @@ def crc32c_address() -> int:
 
 # ---- log faults (native/ckptfs_logfault.c) ------------------------------------
 
+_HAVE_GUARD = hasattr(lib, "ckptfs_logfault_guard")
 __all__ += ["guard_log_mapping", "unguard_log_mapping", "log_fault_gen", "log_mapping_clean",
             "repair_log_mapping", "log_faults", "log_fault_api_address"]
 
@@ -589,7 +590,10 @@ __all__ += ["guard_log_mapping", "unguard_log_mapping", "log_fault_gen", "log_ma
 def guard_log_mapping(mapping: mmap.mmap, writable: bool) -> int:
     """Guard a shared mapping of the log: a SIGBUS on one of its pages is
     a zero page and a counted fault, not a dead process. The slot, or -1
-    (then nothing may be read from it in place). Unguard before it closes."""
+    (then nothing may be read from it in place; also from a _native built
+    before the guard). Unguard before it closes."""
+    if not _HAVE_GUARD:
+        return -1
     with ffi.from_buffer(mapping) as buf:
         base = int(ffi.cast("uintptr_t", buf))
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
@@ -597,7 +601,8 @@ def guard_log_mapping(mapping: mmap.mmap, writable: bool) -> int:
 
 
 def unguard_log_mapping(slot: int) -> None:
-    lib.ckptfs_logfault_unguard(slot)
+    if slot >= 0:
+        lib.ckptfs_logfault_unguard(slot)
 
 
 def log_fault_gen() -> int:
@@ -622,12 +627,13 @@ def repair_log_mapping(slot: int, fd: int) -> int:
 
 def log_faults() -> int:
     """Faults on guarded log mappings since the process started."""
-    return int(lib.ckptfs_logfault_count())
+    return int(lib.ckptfs_logfault_count()) if _HAVE_GUARD else 0
 
 
 def log_fault_api_address() -> int:
-    """The guard's functions for the FUSE fast path (ckptfs_logfault.h)."""
-    return int(lib.ckptfs_logfault_api_address())
+    """The guard's functions for the FUSE fast path (ckptfs_logfault.h); 0:
+    none (it then answers no READ from the log's mapping)."""
+    return int(lib.ckptfs_logfault_api_address()) if _HAVE_GUARD else 0
 
 
 # ---- the log writer (ckptfs/logwriter.py, native/ckptfs_logwr.h) ----------------

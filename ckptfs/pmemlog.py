@@ -515,9 +515,10 @@ class PmemLog:
             return
         gen0 = 0
         if not self.dax:
-            gen0 = native.log_fault_gen()
-            if not native.log_mapping_clean(self._fault_slot, gen0):
-                # Unguarded, or a page still zeroed by an earlier fault.
+            # Unguarded: never read in place. A page still zeroed by an
+            # earlier fault: mapped back, this one copied.
+            gen0 = native.log_fault_gen() if self._fault_slot >= 0 else 0
+            if self._fault_slot < 0 or not native.log_mapping_clean(self._fault_slot, gen0):
                 if self._fault_slot >= 0:
                     native.repair_log_mapping(self._fault_slot, self.fd)
                 buf = memoryview(bytearray(length))
