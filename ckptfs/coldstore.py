@@ -8,7 +8,11 @@ by one thread is waited for, not fetched again, by the others. Neighbours in
 a pack come with one read, and one native call checks the ids of the raw
 ones and the CRCs of the others (GIL released: a raw payload's id over all
 its bytes proves them, its CRC would add nothing); a raw chunk is cached as a view of
-that read, whose buffer is used again once no view of it is left. It
+that read, whose buffer is used again once no view of it is left. A long run
+is read into a page-aligned buffer with room at both ends
+(`Backend.read_span_into`: a local store reads it there with O_DIRECT,
+rounded out to whole blocks), so what is checked and served is the daemon's
+own copy, made once. It
 is thread-safe; `get`, `get_many` and `read_into` may block (worker threads
 only). It may not write to the store nor touch the index: the records it is
 given say where each chunk is.
@@ -25,6 +29,7 @@ thread.
 from __future__ import annotations
 
 import logging
+import mmap
 import sys
 import threading
 import time
@@ -36,7 +41,7 @@ import trio
 from . import codec
 from . import index as ix
 from . import native, packs
-from .backing.base import Backend
+from .backing.base import SPAN_ALIGN, Backend
 from .chunker import chunk_id
 from .errors import CkptfsError, DamagedData
 from .index import CHUNK_PACK, Chunk
@@ -56,8 +61,10 @@ _NO_ID = bytes(32)
 
 # A run of neighbours in a pack is read at most this much at a time.
 SPAN_BYTES = 4 << 20
-# Runs this long or longer are read into buffers of whole SPAN_CLASS_BYTES,
-# used again once no chunk in them is cached or being copied: no fresh pages
+# Runs this long or longer are read into buffers of whole SPAN_CLASS_BYTES
+# (page-aligned anonymous mappings, SPAN_ALIGN spare at each end: the store
+# may read whole blocks straight into them, `Backend.read_span_into`), used
+# again once no chunk in them is cached or being copied: no fresh pages
 # (faults, zeroing) per read. Shorter ones are read into new bytes.
 SPAN_CLASS_BYTES = 256 << 10
 IDLE_SPAN_BYTES = 32 << 20      # buffers kept for reuse, at most
@@ -69,7 +76,7 @@ class _Span:
 
     __slots__ = ("size", "live", "buf")
 
-    def __init__(self, size: int, buf: Optional[bytearray] = None) -> None:
+    def __init__(self, size: int, buf: Optional[mmap.mmap] = None) -> None:
         self.size = size
         self.live = 0               # cached chunks that are views of it
         self.buf = buf              # a reusable buffer, or None
@@ -87,7 +94,7 @@ class ColdStore:
         self._cached_bytes = 0
         self._lock = threading.Lock()
         self._fetching: dict[bytes, threading.Event] = {}
-        self._idle: dict[int, list[bytearray]] = {}     # size -> buffers to reuse
+        self._idle: dict[int, list[mmap.mmap]] = {}     # size -> buffers to reuse
         self._idle_bytes = 0
         self.buffers_reused = 0
         self.fetches = 0
@@ -254,8 +261,9 @@ class ColdStore:
                 if buf is None:
                     read = self.backend.read(name, first.pack_off, size)
                 else:
-                    read = memoryview(buf)[:size]
-                    self.backend.read_into(name, first.pack_off, read)
+                    start = self.backend.read_span_into(name, first.pack_off, size,
+                                                        memoryview(buf))
+                    read = memoryview(buf)[start:start + size]
             except CkptfsError as e:
                 raise DamagedData(f"cold chunk {first.chunk_no} in {name}: {e}") from e
             run = chunks[i:j]
@@ -293,10 +301,11 @@ class ColdStore:
         self.fetched_bytes += sum(c.stored_length for c in chunks)
         return out
 
-    def _buffer(self, size: int) -> bytearray:
-        """A buffer for a run of size bytes: an idle one that nothing holds a
-        view of any more, else a new one (whole SPAN_CLASS_BYTES)."""
-        size = -(-size // SPAN_CLASS_BYTES) * SPAN_CLASS_BYTES
+    def _buffer(self, size: int) -> mmap.mmap:
+        """A buffer for a run of size bytes and SPAN_ALIGN at each end: an
+        idle one that nothing holds a view of any more, else a new one
+        (whole SPAN_CLASS_BYTES, page-aligned)."""
+        size = -(-(size + 2 * SPAN_ALIGN) // SPAN_CLASS_BYTES) * SPAN_CLASS_BYTES
         with self._lock:
             idle = self._idle.get(size, [])
             for k in range(len(idle)):
@@ -306,7 +315,7 @@ class ColdStore:
                     self._idle_bytes -= size
                     self.buffers_reused += 1
                     return idle.pop(k)
-        return bytearray(size)
+        return mmap.mmap(-1, size)
 
     def _decode(self, chunk: Chunk, payload) -> bytes:
         name = packs.pack_name(chunk.pack_no)

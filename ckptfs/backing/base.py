@@ -134,6 +134,10 @@ def validate_prefix(prefix: str) -> str:
     return prefix
 
 
+# `read_span_into`'s buffers: their address and spare bytes at each end.
+SPAN_ALIGN = 4096
+
+
 class BlobWriter(ABC):
     """One new blob, written front to back. Nothing is visible until `commit()`.
 
@@ -249,6 +253,17 @@ class Backend(ABC):
         """`read` of len(out) bytes into out (a writable byte buffer), with the
         same errors. Backends that can fill it without a copy do."""
         out[:] = self.read(name, offset, len(out))
+
+    def read_span_into(self, name: str, offset: int, length: int, out: memoryview) -> int:
+        """Read `length` bytes of blob `name` from `offset` into out, and say
+        where in out they start. out holds at least length + 2 * SPAN_ALIGN
+        bytes and starts at a SPAN_ALIGN-aligned address, so that a backend
+        may read the range rounded out to whole blocks straight into it (a
+        local store: O_DIRECT, no copy out of the page cache); the bytes
+        around the range are then whatever the blob holds there. The same
+        errors as `read`. Here: `read_into` at 0."""
+        self.read_into(name, offset, out[:length])
+        return 0
 
     def will_read(self, name: str, offset: int, length: int) -> None:
         """A hint: [offset, offset+length) of blob name will be read soon.

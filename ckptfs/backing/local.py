@@ -45,12 +45,19 @@ this call wrote, so the call that made it is told so.
 Reads: pread(2) on a cached read-only fd; at most `max_open_files` are kept
 (least recently used first out). An fd is closed only when no thread is reading
 through it, so several worker threads can read at once. A committed or deleted
-name drops its cached fd; ESTALE (NFS) reopens once.
+name drops its cached fd; ESTALE (NFS) reopens once. `read_span_into` (the cold
+store's pack reads) reads with O_DIRECT through a second fd of the same file,
+the range rounded out to SPAN_ALIGN: the disk fills the caller's buffer, no
+copy out of the page cache and no page-cache pages for bytes read once; a
+store that refuses O_DIRECT (EINVAL at the open or the read) is read through
+the page cache from then on, and so is every read when `direct_reads` is off.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
 import re
 import secrets
@@ -65,7 +72,7 @@ from typing import Callable, Optional, TypeVar
 from ..errors import (AlreadyExists, BackingError, BackingFull, BackingReadOnly,
                       BackingUnavailable, BlobDamaged, BlobMissing, CkptfsError,
                       InvalidArgument)
-from .base import (MARKER_NAME, Backend, BlobBatch, BlobWriter, UuidLike, as_uuid, marker_body,
+from .base import (MARKER_NAME, SPAN_ALIGN, Backend, BlobBatch, BlobWriter, UuidLike, as_uuid, marker_body,
                    parse_marker, validate_name, validate_prefix)
 
 TMP_TAG = ".tmp-"
@@ -92,13 +99,56 @@ def _tmp_name(base: str) -> str:
     return f".{base}{TMP_TAG}{secrets.token_hex(8)}"
 
 
+class _CacheStatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_uint64) for f in ("nr_cache", "nr_dirty", "nr_writeback",
+                                               "nr_evicted", "nr_recently_evicted")]
+
+
+_SYS_CACHESTAT = 451            # Linux >= 6.5, the same number on every architecture
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_cachestat_works = True
+
+
+def _all_in_page_cache(fd: int, offset: int, length: int) -> bool:
+    """Whether every page of [offset, offset+length) of fd's file is in the
+    page cache (cachestat(2)); False if it cannot be told. A few us."""
+    global _cachestat_works
+    if not _cachestat_works:
+        return False
+    page = mmap.PAGESIZE
+    first = offset // page
+    pages = -(-(offset + length) // page) - first
+    rng, st = _CacheStatRange(first * page, pages * page), _CacheStat()
+    if _libc.syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(rng),
+                     ctypes.byref(st), ctypes.c_uint(0)) != 0:
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):   # an older kernel, seccomp
+            _cachestat_works = False
+        return False
+    return st.nr_cache >= pages
+
+
+def _open_direct(fd: int) -> int:
+    """The file open on fd, opened again with O_DIRECT (through /proc, so it
+    is the same file even if its name was replaced meanwhile)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+
+
 class _CachedFd:
-    __slots__ = ("fd", "users", "evicted")
+    __slots__ = ("fd", "direct_fd", "users", "evicted")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self.direct_fd: Optional[int] = None     # the same file with O_DIRECT, once used
         self.users = 0
         self.evicted = False
+
+    def fds(self) -> list[int]:
+        return [self.fd] if self.direct_fd is None else [self.fd, self.direct_fd]
 
 
 class LocalBackend(Backend):
@@ -109,7 +159,7 @@ class LocalBackend(Backend):
     """
 
     def __init__(self, root: "os.PathLike[str] | str", store_uuid: Optional[UuidLike] = None,
-                 *, max_open_files: int = 64) -> None:
+                 *, max_open_files: int = 64, direct_reads: bool = True) -> None:
         if max_open_files < 1:
             raise ValueError("max_open_files must be at least 1")
         self.root = os.path.abspath(os.fspath(root))
@@ -118,6 +168,8 @@ class LocalBackend(Backend):
         self.max_open_files = max_open_files
         self._lock = threading.Lock()
         self._fds: "OrderedDict[str, _CachedFd]" = OrderedDict()
+        # read_span_into with O_DIRECT; off for good once the store refuses it
+        self.direct_reads = direct_reads
 
     @property
     def location(self) -> str:
@@ -321,9 +373,85 @@ class LocalBackend(Backend):
                                   f"length={len(out)}")
         self._with_read_fd(name, lambda fd: self._preadv_exact(fd, name, offset, out))
 
+    def read_span_into(self, name: str, offset: int, length: int, out: memoryview) -> int:
+        """The range read with O_DIRECT, rounded out to SPAN_ALIGN, into out
+        (see Backend.read_span_into); through the page cache if the store
+        refuses O_DIRECT. May block."""
+        validate_name(name)
+        if offset < 0 or length < 0:
+            raise InvalidArgument(f"{self.url}: {name}: bad range offset={offset} "
+                                  f"length={length}")
+        if len(out) < length + 2 * SPAN_ALIGN:
+            raise InvalidArgument(f"{self.url}: {name}: a {len(out)}-byte buffer for "
+                                  f"{length} bytes")
+        if not (self.direct_reads and length):
+            self.read_into(name, offset, out[:length])
+            return 0
+        return self._with_read_entry(
+            name, lambda ent: self._read_span(ent, name, offset, length, out))
+
+    def _read_span(self, ent: _CachedFd, name: str, offset: int, length: int,
+                   out: memoryview) -> int:
+        """read_span_into on ent (held by the caller): through the page cache
+        if all of the range is there already (one copy, no disk read), else
+        with O_DIRECT unless the store refuses it. May block."""
+        if not _all_in_page_cache(ent.fd, offset, length):
+            start = self._pread_direct(ent, name, offset, length, out)
+            if start is not None:
+                return start
+        self._preadv_exact(ent.fd, name, offset, out[:length])
+        return 0
+
+    def _pread_direct(self, ent: _CachedFd, name: str, offset: int, length: int,
+                      out: memoryview) -> Optional[int]:
+        """Where in out [offset, offset+length) landed, read with O_DIRECT from
+        the block boundary below offset; None (and direct reads off for good)
+        if the store refuses O_DIRECT. The caller holds ent. May block."""
+        fd, dfd, dfd_owned = ent.fd, ent.direct_fd, False
+        if dfd is None:
+            try:
+                dfd = _open_direct(fd)
+            except OSError:
+                self.direct_reads = False        # no O_DIRECT here (EINVAL) or no /proc
+                return None
+            with self._lock:
+                if ent.direct_fd is None and not ent.evicted:
+                    ent.direct_fd = dfd          # closed with ent.fd
+                else:
+                    dfd_owned = True             # not kept: closed after this read
+        try:
+            start = offset % SPAN_ALIGN
+            first = offset - start
+            need = start + length
+            size = -(-need // SPAN_ALIGN) * SPAN_ALIGN
+            got = 0
+            while got < need:
+                if got % SPAN_ALIGN:             # a short read mid-block: the rest buffered
+                    self._preadv_exact(fd, name, first + got, out[got:need])
+                    break
+                try:
+                    n = os.preadv(dfd, [out[got:size]], first + got)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self.direct_reads = False    # refused at the read (alignment, filesystem)
+                    return None
+                if n == 0:
+                    end = os.fstat(fd).st_size
+                    raise BlobDamaged(f"{self.url}: {name}: range [{offset}, {offset + length}) "
+                                      f"goes past the end of the blob ({end} bytes)")
+                got += n
+            return start
+        finally:
+            if dfd_owned:
+                os.close(dfd)
+
     def will_read(self, name: str, offset: int, length: int) -> None:
         """POSIX_FADV_WILLNEED: the kernel reads the range in the background,
-        so the reads that follow find it in the page cache."""
+        so the reads that follow find it in the page cache. Not while span
+        reads bypass the page cache (they would read the disk twice)."""
+        if self.direct_reads:
+            return
         try:
             validate_name(name)
             self._with_read_fd(name, lambda fd: os.posix_fadvise(
@@ -334,10 +462,14 @@ class LocalBackend(Backend):
     def _with_read_fd(self, name: str, read: Callable[[int], T]) -> T:
         """read(fd) on name's cached fd; on ESTALE (NFS: the file was replaced
         under the fd) once more on a fresh one. May block."""
+        return self._with_read_entry(name, lambda ent: read(ent.fd))
+
+    def _with_read_entry(self, name: str, read: Callable[[_CachedFd], T]) -> T:
+        """`_with_read_fd` with the fd's cache entry. May block."""
         for attempt in (0, 1):
             ent = self._acquire(name)
             try:
-                return read(ent.fd)
+                return read(ent)
             except OSError as e:
                 if e.errno == errno.ESTALE and attempt == 0:
                     self._forget(name)
@@ -511,7 +643,7 @@ class LocalBackend(Backend):
             for ent in ents:
                 ent.evicted = True
                 if ent.users == 0:
-                    to_close.append(ent.fd)
+                    to_close.extend(ent.fds())
         for fd in to_close:
             os.close(fd)
 
@@ -549,7 +681,7 @@ class LocalBackend(Backend):
                     _, old = self._fds.popitem(last=False)
                     old.evicted = True
                     if old.users == 0:
-                        to_close.append(old.fd)
+                        to_close.extend(old.fds())
             ent.users += 1
         for f in to_close:
             os.close(f)
@@ -560,7 +692,8 @@ class LocalBackend(Backend):
             ent.users -= 1
             close = ent.evicted and ent.users == 0
         if close:
-            os.close(ent.fd)
+            for fd in ent.fds():
+                os.close(fd)
 
     def _forget(self, name: str) -> None:
         """Drop the cached fd of `name` (closed once its readers are done)."""
@@ -571,7 +704,8 @@ class LocalBackend(Backend):
             ent.evicted = True
             close = ent.users == 0
         if close:
-            os.close(ent.fd)
+            for fd in ent.fds():
+                os.close(fd)
 
     def cached_fds(self) -> int:
         """How many fds the cache holds (for tests and stats)."""

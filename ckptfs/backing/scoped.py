@@ -50,6 +50,9 @@ class ScopedBackend(Backend):
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         self.inner.read_into(self.prefix + validate_name(name), offset, out)
 
+    def read_span_into(self, name: str, offset: int, length: int, out: memoryview) -> int:
+        return self.inner.read_span_into(self.prefix + validate_name(name), offset, length, out)
+
     def will_read(self, name: str, offset: int, length: int) -> None:
         self.inner.will_read(self.prefix + validate_name(name), offset, length)
 
