@@ -638,7 +638,17 @@ def log_fault_api_address() -> int:
 
 # ---- the log writer (ckptfs/logwriter.py, native/ckptfs_logwr.h) ----------------
 
-__all__ += ["WriterThreads"]
+__all__ += ["WriterThreads", "start_writeback"]
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing the file's dirty pages in [offset, offset+length) back
+    to the disk, not waiting for them (sync_file_range WRITE): makes nothing
+    durable, leaves less for the next fsync to wait for. May block while the
+    device's queue is full. Raises OSError."""
+    rc = lib.ckptfs_logwr_writeback(fd, offset, length)
+    if rc:
+        raise OSError(-rc, f"starting writeback: {os.strerror(-rc)}")
 
 
 class WriterThreads:

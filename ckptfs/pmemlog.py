@@ -421,6 +421,21 @@ class PmemLog:
         for off, length in merged:
             native.persist(self.mapping, off, length, self.dax)
 
+    def start_writeback(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Start writing the given log bytes back to the disk, not waiting for
+        them: a later `persist` of them waits only for what is still in
+        flight. Makes nothing durable. On a DAX log nothing to do. May block
+        while the device's queue is full. A failure is left to the `persist`
+        that makes them durable, which reports it."""
+        if self.dax:
+            return
+        for off, length in ranges:
+            try:
+                native.start_writeback(self.fd, off, length)
+            except OSError as e:
+                log.debug("writeback of log bytes [%d, +%d) not started: %s", off, length, e)
+                return
+
     def read_into(self, out: memoryview, log_off: int, chunk_len: int, crcs: bytes,
                   chunk_off: int) -> None:
         """Fill out with chunk bytes [chunk_off, chunk_off+len(out)), verified. May block.

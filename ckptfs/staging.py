@@ -50,7 +50,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar, Union
 
 import trio
 
@@ -189,6 +189,9 @@ class ChunkStream:
     ready: dict[int, tuple["WritePlan", Union[bytes, LogBytes]]] = field(default_factory=dict)
     ready_bytes: int = 0
     feeding: bool = False            # the feed task runs
+    # Log ranges of new chunks settled from the stream, for the next feed
+    # call to start writing back (`PmemLog.start_writeback`).
+    to_write_back: list[tuple[int, int]] = field(default_factory=list)
     fed: trio.Event = field(default_factory=trio.Event)   # set (and replaced) per feed call
 
     def stop(self) -> None:
@@ -442,11 +445,12 @@ class WriteStager:
                 if not jobs:
                     break
                 stream.ready_bytes -= nbytes
+                write_back, stream.to_write_back = stream.to_write_back, []
                 batch = await trio.to_thread.run_sync(self.feed_blocking, stream, jobs, True,
-                                                      limiter=self.io_limiter)
+                                                      write_back, limiter=self.io_limiter)
                 fed, stream.fed = stream.fed, trio.Event()
                 fed.set()
-                self.store_once(df, batch)
+                self.store_once(df, batch, stream.to_write_back)
         except BaseException as e:     # noqa: B036 - a system task must not raise
             if df.write_error is None:
                 df.write_error = e
@@ -598,12 +602,19 @@ class WriteStager:
 
     def feed_blocking(self, stream: ChunkStream,
                       jobs: list[tuple[WritePlan, Union[bytes, LogBytes]]],
-                      behind: bool = False) -> ChunkBatch:
+                      behind: bool = False,
+                      write_back: Sequence[tuple[int, int]] = ()) -> ChunkBatch:
         """Cut and name the chunks that consecutive stream writes (from the
         stream's next ticket on, in order) complete. May block: CPU work.
-        behind: the feed task's call, on a worker thread, after the replies."""
+        behind: the feed task's call, on a worker thread, after the replies.
+        write_back: log ranges of new chunks the last call settled, whose
+        writeback to the disk starts first, so that the fsync or close that
+        makes them durable later finds most of a stream on its way already
+        (it still waits for all of it: nothing becomes durable sooner)."""
         if behind and pausing_at("stream-feed"):
             pause_blocking("stream-feed")
+        if write_back:
+            self.log.start_writeback(write_back)
         batch = ChunkBatch()
         for plan, data in jobs:
             if not stream.alive:
@@ -706,10 +717,13 @@ class WriteStager:
 
     # -------------------------------------------------------- storing once
 
-    def store_once(self, df: DirtyFile, batch: ChunkBatch) -> None:
+    def store_once(self, df: DirtyFile, batch: ChunkBatch,
+                   new_ranges: Optional[list[tuple[int, int]]] = None) -> None:
         """Make named chunks of staged bytes chunks, each stored once: the
         overlay points at a stored chunk with the same id (the staged bytes go
-        back at once) or at a new chunk made of the bytes where they lie.
+        back at once) or at a new chunk made of the bytes where they lie; the
+        new chunks' log ranges are added to new_ranges if given (adjacent
+        ones merged).
 
         One pass per batch: the usual case, a write's chunks all inside one
         staged extent, is one overlay splice (`Overlay.retarget_run`)."""
@@ -758,6 +772,11 @@ class WriteStager:
                 df.new_chunks[chunk.chunk_no] = chunk
                 pending_ids[cid] = chunk.chunk_no
                 target = chunk.chunk_no
+                if new_ranges is not None:
+                    if new_ranges and sum(new_ranges[-1]) == log_off:
+                        new_ranges[-1] = (new_ranges[-1][0], new_ranges[-1][1] + length)
+                    else:
+                        new_ranges.append((log_off, length))
             else:
                 self.count_duplicate(length)
                 # Neighbouring duplicates are neighbours in the log: one release.

@@ -3,6 +3,7 @@
 #include "ckptfs_logwr.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <sys/eventfd.h>
@@ -186,4 +187,11 @@ void ckptfs_logwr_free(ckptfs_logwr *w)
     pthread_cond_destroy(&w->wake);
     pthread_mutex_destroy(&w->mu);
     free(w);
+}
+
+int ckptfs_logwr_writeback(int fd, uint64_t off, uint64_t len)
+{
+    if (sync_file_range(fd, (off_t)off, (off_t)len, SYNC_FILE_RANGE_WRITE) != 0)
+        return -errno;
+    return 0;
 }

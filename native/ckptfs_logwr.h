@@ -41,4 +41,11 @@ size_t ckptfs_logwr_reap(ckptfs_logwr *w, uint64_t *tokens, int64_t *results,
  * w (its unreaped results are dropped).  May block until the jobs are done. */
 void ckptfs_logwr_free(ckptfs_logwr *w);
 
+/* Start writing back the log file's dirty pages in [off, off+len) to the
+ * disk without waiting for them (sync_file_range SYNC_FILE_RANGE_WRITE):
+ * a later fsync/msync of them then waits only for what is still in flight.
+ * Makes nothing durable.  May block while the device queue is full.  0, or
+ * -errno. */
+int ckptfs_logwr_writeback(int fd, uint64_t off, uint64_t len);
+
 #endif

@@ -10,9 +10,14 @@ for certain, without sleeping and hoping.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import threading
 import time
+from typing import Optional
+
+import pytest
 
 from posix_helpers import pattern, push_to_daemon, read_file
 
@@ -132,3 +137,53 @@ def test_crash_while_the_feed_is_behind_keeps_the_fsynced_content(make_mount, mo
     marker.unlink()
     m.start()
     assert read_file(path) == first
+
+
+def _log_pages(log_path: str) -> Optional[tuple[int, int]]:
+    """(dirty, under writeback) pages of the log file in the page cache
+    (cachestat(2), Linux 6.5); None where the kernel lacks it."""
+    if platform.machine() != "x86_64":
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    rng = (ctypes.c_uint64 * 2)(0, 0)             # off, len (0: to the end)
+    st = (ctypes.c_uint64 * 5)()                  # cache, dirty, writeback, evicted, ...
+    fd = os.open(log_path, os.O_RDONLY)
+    try:
+        if libc.syscall(451, fd, rng, st, 0) != 0:   # SYS_cachestat
+            return None
+    finally:
+        os.close(fd)
+    return int(st[1]), int(st[2])
+
+
+def test_a_fed_stream_is_on_its_way_to_the_disk_before_its_fsync(make_mount, tmp_path):
+    """The new chunks a stream's feed settles are handed to the disk's
+    writeback as it goes (not first by the fsync that makes them durable):
+    once 48 MiB are fed, few of the log's pages are still only dirty. The
+    fsync still makes the file durable: whole after a kill."""
+    m = make_mount(options=["pmem_size=512M", "sync=close"])
+    # Mounted over its source: the log is reached through the daemon's fd.
+    fds = f"/proc/{m.pid}/fd"
+    log_path = next(f"{fds}/{n}" for n in os.listdir(fds)
+                    if os.readlink(f"{fds}/{n}").endswith("/pmem.log"))
+    if _log_pages(log_path) is None:
+        pytest.skip("no cachestat(2) here")
+    data = pattern(48 * MiB, seed=7)
+    path = m.path / "stream.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, data)
+        push_to_daemon(fd)              # every WRITE answered, nothing fsynced
+        # The feed runs behind the replies; the last feed call's chunks wait
+        # for the fsync. Without the writeback all 12,288 pages stay dirty
+        # (unless the kernel's own writeback comes first: it waits 30 s, or
+        # for a tenth of the memory dirty); with it, this takes milliseconds.
+        _wait_until(lambda: _log_pages(log_path)[0] < len(data) // 4096 // 2,
+                    f"the log's pages stay dirty until the fsync: {_log_pages(log_path)}",
+                    timeout_s=2.0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    m.kill()
+    m.start()
+    assert read_file(path) == data
