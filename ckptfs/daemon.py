@@ -189,6 +189,7 @@ def open_state(opts: MountOptions, attempt: Optional[Attempt] = None) -> State:
         undo.callback(plog.close)
         remember_log_path(index, opts)
         index.keep_reserve()
+        index.start_journal()
         backend = open_backing(opts, index, fs_uuid, attempt) if opts.tiering else None
         attached = None
         if backend is not None:

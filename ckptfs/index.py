@@ -54,6 +54,11 @@ order; little-endian in values):
                            regular files and the sum of their sizes, kept by
                            put_inode and delete_inode in the same
                            transactions (`ckptfs stat` without a scan)
+              b"journal" -> u64 generation + u64 seq: the journal's
+                           generation (journal.py) and the seq of the last
+                           journal record this index holds; records of that
+                           generation with the following seqs are replayed
+                           when the index is opened. Absent: no journal yet
               b"volume" -> the volume this filesystem is in its store
                            (VolumeRecord, JSON): name, lease generation, the
                            head its state started from, and whether it was
@@ -143,6 +148,21 @@ for durability gets IndexFull. Any other commit failure turns the filesystem
 read-only: a failed persist of log data cannot be retried safely (the kernel
 may have dropped the pages it could not write).
 
+Journal (journal.py, the record format): once `start_journal` ran (the
+mount), a durable commit is one record appended to INDEX/journal and one
+fdatasync, not an LMDB transaction (two flushes). A journaled batch stays a
+read layer over LMDB (`_journaled`: every journaled batch merged, newest
+value of each key) for the live index and for `read_view`, until a
+checkpoint writes them all, with a batch, in one synced LMDB transaction
+that also puts the journal's new generation (meta `journal`); the journal
+then starts over. Checkpoints: when a record does not fit in the journal,
+past JOURNAL_MAX_ENTRIES keys held in the layer, when the committer is idle
+JOURNAL_IDLE_CHECKPOINT_S and at stop; always on the committer's worker
+thread. Opening an index replays the valid records past the seq LMDB holds
+into LMDB, in one transaction with a new generation, before anything reads
+(offline tools included). Without room for the journal file the index
+commits to LMDB as before.
+
 Concurrency contract: reads and writes are called on the trio thread only.
 Writes go to an in-memory batch (overlaid on LMDB for every read, so the
 namespace is consistent at once); the committer task writes whole batches in
@@ -167,6 +187,7 @@ import lmdb
 import trio
 from sortedcontainers import SortedDict
 
+from . import journal as jr
 from .chunker import MAX_CHUNK_BYTES
 from .debugpause import failing_at
 from .errors import DamagedData, FormatError, IndexFailure, IndexFull, ReadOnly
@@ -244,6 +265,12 @@ _U64 = struct.Struct(">Q")
 _U64x2 = struct.Struct(">QQ")
 # What `Index.watch_maps` reports: inodes too, since a read window may only
 # answer reads below the file's size.
+# The journal (journal.py): a checkpoint once the journaled read layer holds
+# this many keys (its memory: ~150 bytes a key) or the committer was idle this long.
+JOURNAL_MAX_ENTRIES = 1 << 16
+JOURNAL_IDLE_CHECKPOINT_S = 2.0
+_JOURNAL_META = struct.Struct("<QQ")   # generation, last seq applied
+
 _WATCHED_DBS = frozenset(("extents", "chunks", "inodes"))
 _EXTENT = struct.Struct("<QQQ")
 _DIRENT = struct.Struct("<QQ")
@@ -423,6 +450,11 @@ class Batch:
     # The index's room right after its transaction, when no upkeep was due
     # (`Index._room_without_upkeep`); None: `_refill_reserve` measures it.
     room_after: Optional[int] = None
+    checkpoint: bool = False               # sealed to checkpoint the journal (idle, stop)
+    journaled: bool = False                # made durable in the journal, not in LMDB
+    checkpointed: bool = False             # its LMDB transaction held every journaled batch
+    # Its `logredo` puts and deletes (journaled: merged into the read layer).
+    extra_ops: list[tuple[str, bytes, Optional[bytes]]] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not self.ops and not self.after_durable
@@ -446,6 +478,16 @@ class Index:
             raise FormatError(f"cannot open index at {path}: {e}") from e
         self.path = path
         self._dbs = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
+        # The journal (None: commits go to LMDB) and the journaled batches'
+        # read layer: table -> key -> value (None: deleted). Tables a ReadView
+        # holds are copied before the next merge changes them.
+        self._journal: Optional[jr.Journal] = None
+        self._journaled: dict[str, SortedDict] = {}
+        self._journaled_shared: set[str] = set()
+        self._journaled_entries = 0
+        self._journaled_promised = 0
+        self.checkpoints = 0
+        self.replayed_records = self._replay_journal()
         self._rtxn = self.env.begin()
         self._open = Batch(seq=1)
         self._committing: Optional[Batch] = None
@@ -754,6 +796,74 @@ class Index:
                         "symlink on its path, or gone): its reads give EIO", what)
         return True
 
+    # --------------------------------------------------------------- journal
+
+    def _journal_path(self) -> str:
+        return os.path.join(self.path, jr.JOURNAL_NAME)
+
+    def _journal_state(self) -> Optional[tuple[int, int]]:
+        with self.env.begin() as txn:
+            raw = txn.get(b"journal", db=self._dbs["meta"])
+        return None if raw is None else _JOURNAL_META.unpack(raw)
+
+    def _replay_journal(self) -> int:
+        """Write the journal's valid records past the seq LMDB holds into LMDB,
+        in order, in one transaction that also starts a new generation (what
+        is left in the file can then never count). Returns how many. Replaying
+        again (a crash before that transaction) writes the same values: the
+        records hold values, not changes. May block."""
+        state = self._journal_state()
+        if state is None:
+            return 0
+        generation, applied = state
+        records = list(jr.read_records(self._journal_path(), generation, applied))
+        if not records:
+            return 0
+        last = records[-1][0]
+        try:
+            with self.env.begin(write=True) as txn:
+                for _, payload in records:
+                    for table, key, value in jr.decode_payload(payload):
+                        if value is None:
+                            txn.delete(key, db=self._dbs[table])
+                        else:
+                            txn.put(key, value, db=self._dbs[table])
+                txn.put(b"journal", _JOURNAL_META.pack(jr.new_generation(), last),
+                        db=self._dbs["meta"])
+        except (ValueError, KeyError) as e:
+            raise FormatError(f"{self._journal_path()}: a journal record with a valid "
+                              f"CRC does not parse ({e})") from e
+        except lmdb.Error as e:
+            if isinstance(e, lmdb.MapFullError) or any(
+                    os.strerror(code) in str(e) for code in (errno.ENOSPC, errno.EDQUOT, errno.EIO)):
+                raise IndexFull(f"no room in {self.path} to replay the {len(records)} journaled "
+                                f"commits into the index ({e}): free some space on its disk "
+                                "and open it again; nothing is lost") from e
+            raise
+        log.info("index %s: replayed %d journaled commits (seq %d-%d)", self.path,
+                 len(records), records[0][0], last)
+        return len(records)
+
+    def start_journal(self) -> bool:
+        """Commit through the journal from now on (the mount; before the
+        committer runs): the file made if missing (False, with a warning, when
+        its disk has no room: commits go to LMDB), a new generation durable in
+        LMDB. May block."""
+        assert self._committing is None and self._open.is_empty() and not self._journaled
+        path = self._journal_path()
+        if not os.path.exists(path) and not jr.create(path):
+            log.warning("no room for the index journal in %s: every commit goes to LMDB "
+                        "(two flushes instead of one)", self.path)
+            return False
+        state = self._journal_state()
+        applied = 0 if state is None else state[1]
+        generation = jr.new_generation()
+        with self.env.begin(write=True) as txn:
+            txn.put(b"journal", _JOURNAL_META.pack(generation, applied), db=self._dbs["meta"])
+        self._renew_read_txn()
+        self._journal = jr.Journal(path, generation, applied + 1)
+        return True
+
     def _load_counters(self) -> None:
         for name in ID_COUNTERS + STAT_COUNTERS + FILE_COUNTERS:
             self.counters[name] = read_counter(self, name)
@@ -791,7 +901,8 @@ class Index:
     def read_view(self) -> "ReadView":
         """A read-only view of the durable state (no pending batch), for a worker
         thread: one LMDB read transaction, consistent until closed."""
-        return ReadView(self.env.begin(), self._dbs)
+        self._journaled_shared.update(self._journaled)
+        return ReadView(self.env.begin(), self._dbs, dict(self._journaled))
 
     def adjust_counter(self, name: bytes, delta: int) -> None:
         """Add delta to a chunk-table total; it commits with the open batch."""
@@ -809,7 +920,7 @@ class Index:
 
         Only for start-up work (adoption, recovery) before the committer runs.
         """
-        assert self._committing is None and self._open.is_empty()
+        assert self._committing is None and self._open.is_empty() and not self._journaled
         self.direct_writes += 1
         with self.env.begin(write=True) as txn:
             fn(DirectTxn(txn, self._dbs))
@@ -825,7 +936,19 @@ class Index:
                 layer = batch.ops.get(db)
                 if layer is not None and key in layer:
                     return layer[key]
+        layer = self._journaled.get(db)
+        if layer is not None and key in layer:
+            return layer[key]
         return self._rtxn.get(key, db=self._dbs[db])
+
+    def _layers(self, db: str) -> list[SortedDict]:
+        """The pending and journaled layers of db over LMDB, newest first."""
+        layers = [layer for batch in (self._open, self._committing) if batch is not None
+                  for layer in (batch.ops.get(db),) if layer]
+        layer = self._journaled.get(db)
+        if layer:
+            layers.append(layer)
+        return layers
 
     def _items(self, db: str, lo: bytes, hi: bytes, reverse: bool = False
               ) -> Iterator[tuple[bytes, bytes]]:
@@ -836,11 +959,8 @@ class Index:
         """
         # Lazy k-way merge, newest layer first: a caller that stops after one
         # item (a floor lookup) pays for one item, not for the whole batch.
-        sources: list[Iterator[tuple[bytes, Optional[bytes]]]] = []
-        for batch in (self._open, self._committing):
-            layer = None if batch is None else batch.ops.get(db)
-            if layer:
-                sources.append(_layer_items(layer, lo, hi, reverse))
+        sources: list[Iterator[tuple[bytes, Optional[bytes]]]] = [
+            _layer_items(layer, lo, hi, reverse) for layer in self._layers(db)]
         sources.append(self._lmdb_items(db, lo, hi, reverse))
         yield from _merge_layers(sources, reverse)
 
@@ -850,8 +970,7 @@ class Index:
         by bisection in each layer and one cursor, with no merge of iterators
         (a commit's punches look one up per rewrite). Same consistency rule
         as `_items`."""
-        layers = [layer for batch in (self._open, self._committing) if batch is not None
-                  for layer in (batch.ops.get(db),) if layer]
+        layers = self._layers(db)
         cur = self._rtxn.cursor(self._dbs[db])
         while True:
             # Each source's greatest key below `below` (a layer's may be a
@@ -1088,10 +1207,22 @@ class Index:
             if not await self._commit_sealed(self._committing, persist, limiter):
                 return
         while True:
-            if self._open.is_empty() and not (self._stopping and self._redo):
+            if self._open.is_empty() and not self._open.checkpoint \
+                    and not (self._stopping and self._redo):
                 if self._stopping:
-                    return
-                if self.full and self.room_bytes is not None:
+                    if not self._journaled:
+                        return
+                    self._open.checkpoint = True      # the journaled batches into LMDB
+                    continue
+                if self._journaled and not self.full:
+                    # Idle a while: the journaled batches into LMDB, off the
+                    # writers' path (and the next mount replays nothing).
+                    with trio.move_on_after(JOURNAL_IDLE_CHECKPOINT_S):
+                        await self._work.wait()
+                    if not self._work.is_set():
+                        self._open.checkpoint = True
+                        continue
+                elif self.full and self.room_bytes is not None:
                     # Nothing to commit and growth refused: look for room coming back.
                     with trio.move_on_after(ROOM_POLL_S):
                         await self._work.wait()
@@ -1104,7 +1235,8 @@ class Index:
                     await self._work.wait()
                 self._work = trio.Event()
                 continue
-            if not self._stopping and self._wanted_seq < self._open.seq and idle_delay_s > 0:
+            if not self._stopping and not self._open.checkpoint \
+                    and self._wanted_seq < self._open.seq and idle_delay_s > 0:
                 remaining = idle_delay_s - (time.monotonic() - self._open.opened_at)
                 if remaining > 0:
                     with trio.move_on_after(remaining):
@@ -1151,6 +1283,16 @@ class Index:
             raise RuntimeError(f"failure injected after batch {batch.seq} became durable "
                                "(CKPTFS_DEBUG_FAIL)")
         self._renew_read_txn()
+        if batch.journaled:
+            self._merge_journaled(batch)
+        elif batch.checkpointed:
+            # LMDB holds every journaled batch now (the read transaction just
+            # renewed sees them): the layer goes, with the growth it promised.
+            self._journaled = {}
+            self._journaled_shared.clear()
+            self._journaled_entries = 0
+            self._promised_total -= self._journaled_promised
+            self._journaled_promised = 0
         self._committing = None
         self._recycle_layers(batch)
         self.durable_seq = batch.seq
@@ -1160,7 +1302,7 @@ class Index:
         self.commit_seconds_total += elapsed
         if self.on_commit is not None:
             self.on_commit(elapsed)
-        for fn in self.on_durable:
+        for fn in self.on_durable if batch.ops or not batch.checkpoint else ():
             fn(batch.seq, batch.opened_at if batch.opened_at is not None else started)
         for fn in batch.after_durable:
             fn()
@@ -1175,9 +1317,38 @@ class Index:
             self.room_bytes = batch.room_after
         else:
             await self._measure_room(limiter)
-        self._promised_total -= batch.promised_bytes
+        if batch.journaled:
+            # Its growth reaches LMDB with the checkpoint: promised until then,
+            # its `logredo` record too (what `_plan_log_bytes` counts against
+            # the room), so that the checkpoint, and a replay on a full disk,
+            # find room for it in the reserve.
+            redo_bytes = len(batch.redo) if batch.redo is not None and \
+                self.room_bytes is not None else 0
+            self._promised_total += redo_bytes
+            self._journaled_promised += batch.promised_bytes + redo_bytes
+        else:
+            self._promised_total -= batch.promised_bytes
         self._note_room()
         return True
+
+    def _merge_journaled(self, batch: Batch) -> None:
+        """A journaled batch's changes into the journaled read layer (trio
+        thread, before it stops being `_committing`). A table a ReadView holds
+        is copied first: views never see a table change."""
+        for db, layer in batch.ops.items():
+            self._journaled_table(db).update(layer)
+        for db, key, value in batch.extra_ops:
+            self._journaled_table(db)[key] = value
+        self._journaled_entries = sum(len(t) for t in self._journaled.values())
+
+    def _journaled_table(self, db: str) -> SortedDict:
+        table = self._journaled.get(db)
+        if table is None:
+            table = self._journaled[db] = SortedDict()
+        elif db in self._journaled_shared:
+            table = self._journaled[db] = SortedDict(table)
+            self._journaled_shared.discard(db)
+        return table
 
     async def _measure_room(self, limiter: trio.CapacityLimiter) -> None:
         """`_refill_reserve` on a worker thread after a commit (no reserve: nothing)."""
@@ -1291,31 +1462,36 @@ class Index:
         batch.persisted = True
         if flushing is not None:
             batch.redo_flushed = flushing
-        if not batch.ops and batch.redo is None and not batch.redo_flushed:
+        journal = self._journal
+        if not batch.ops and batch.redo is None and not batch.redo_flushed \
+                and not (batch.checkpoint and self._journaled):
             return
         redo_no = self._redo_next
-        try:
-            with self.env.begin(write=True) as txn:
-                for db_name, layer in batch.ops.items():
-                    db = self._dbs[db_name]
-                    for k, v in layer.items():
-                        if v is None:
-                            txn.delete(k, db=db)
-                        else:
-                            txn.put(k, v, db=db)
-                redo_db = self._dbs["logredo"]
-                for no in batch.redo_flushed or ():
-                    txn.delete(u64(no), db=redo_db)
-                if batch.redo is not None:
-                    txn.put(u64(redo_no), batch.redo, db=redo_db)
-        except lmdb.MapFullError as e:
-            self._without_redo(batch)
-            raise IndexFull("index map is full") from e
-        except lmdb.Error as e:      # DiskError for ENOSPC, Error for a short write's EIO
-            if self._no_room(e):
-                self._without_redo(batch)
-                raise IndexFull(str(e)) from e
-            raise
+        extra: list[tuple[str, bytes, Optional[bytes]]] = [
+            ("logredo", u64(no), None) for no in batch.redo_flushed or ()]
+        if batch.redo is not None:
+            extra.append(("logredo", u64(redo_no), batch.redo))
+        record = None
+        if journal is not None and not batch.checkpoint and not self._stopping and \
+                self._journaled_entries + batch.op_count() + len(extra) <= JOURNAL_MAX_ENTRIES:
+            tables: jr.Ops = {db: layer.items() for db, layer in batch.ops.items()}
+            if extra:
+                tables["logredo"] = [(k, v) for _, k, v in extra]
+            record = jr.encode_record(journal.generation, journal.next_seq, tables)
+            if not journal.fits(len(record)):
+                record = None           # the journal is full: this batch checkpoints
+        if record is not None:
+            try:
+                journal.append(record)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    # Kept and retried whole, like a commit LMDB found no room for.
+                    raise IndexFull(f"index journal: {e.strerror}") from e
+                raise
+            batch.journaled = True
+            batch.extra_ops = extra
+        else:
+            self._lmdb_commit(batch, extra, journal)
         for no in batch.redo_flushed or ():
             self._redo_bytes -= sum(length for _, length in self._redo.pop(no))
         if batch.redo is not None:
@@ -1329,6 +1505,54 @@ class Index:
                 batch.room_after = self._room_without_upkeep()
             except (OSError, lmdb.Error):
                 batch.room_after = None     # `_measure_room` tries again, and says why
+
+    def _lmdb_commit(self, batch: Batch, extra: list[tuple[str, bytes, Optional[bytes]]],
+                     journal: Optional[jr.Journal]) -> None:
+        """Worker thread: batch in one durable LMDB transaction; with a journal,
+        a checkpoint: every journaled batch first, and the journal's new
+        generation (it then starts over). Raises IndexFull when there was no
+        room (aborted: it may be retried)."""
+        generation = jr.new_generation() if journal is not None else 0
+        try:
+            with self.env.begin(write=True) as txn:
+                if journal is not None:
+                    for db_name, layer in self._journaled.items():
+                        db = self._dbs[db_name]
+                        for k, v in layer.items():
+                            if v is None:
+                                txn.delete(k, db=db)
+                            else:
+                                txn.put(k, v, db=db)
+                for db_name, layer in batch.ops.items():
+                    db = self._dbs[db_name]
+                    for k, v in layer.items():
+                        if v is None:
+                            txn.delete(k, db=db)
+                        else:
+                            txn.put(k, v, db=db)
+                for db_name, k, v in extra:
+                    if v is None:
+                        txn.delete(k, db=self._dbs[db_name])
+                    else:
+                        txn.put(k, v, db=self._dbs[db_name])
+                if journal is not None:
+                    txn.put(b"journal", _JOURNAL_META.pack(generation, journal.next_seq - 1),
+                            db=self._dbs["meta"])
+                    if failing_at("checkpoint"):
+                        raise RuntimeError("failure injected in a checkpoint's transaction "
+                                           "(CKPTFS_DEBUG_FAIL)")
+        except lmdb.MapFullError as e:
+            self._without_redo(batch)
+            raise IndexFull("index map is full") from e
+        except lmdb.Error as e:      # DiskError for ENOSPC, Error for a short write's EIO
+            if self._no_room(e):
+                self._without_redo(batch)
+                raise IndexFull(str(e)) from e
+            raise
+        if journal is not None:
+            journal.reset(generation)
+            batch.checkpointed = True
+            self.checkpoints += 1
 
     @staticmethod
     def _without_redo(batch: Batch) -> None:
@@ -1355,7 +1579,10 @@ class Index:
         self._rtxn = self.env.begin()
 
     def close(self) -> None:
-        """Close the environment. May block (final sync)."""
+        """Close the environment. May block (final sync). Journaled batches not
+        checkpointed stay in the journal: the next opening replays them."""
+        if self._journal is not None:
+            self._journal.close()
         self._rtxn.abort()
         self.env.sync(True)
         self.env.close()
@@ -1400,21 +1627,38 @@ class DirectTxn:
 
 
 class ReadView:
-    """Durable state seen through one read transaction (`Index.read_view`).
+    """Durable state seen through one read transaction (`Index.read_view`):
+    the last checkpoint in LMDB and, over it, the journaled batches of that
+    moment (their tables are never changed while a view holds them: the next
+    merge copies them first).
 
     Usable from any one thread at a time; the typed helpers below take it like
     an Index. Close it (or use `with`) before the index is closed.
     """
 
-    def __init__(self, txn: lmdb.Transaction, dbs: dict) -> None:
+    def __init__(self, txn: lmdb.Transaction, dbs: dict,
+                 journaled: Optional[dict[str, SortedDict]] = None) -> None:
         self.txn = txn
         self.dbs = dbs
+        self.journaled = journaled or {}
 
     def _get(self, db: str, key: bytes) -> Optional[bytes]:
+        layer = self.journaled.get(db)
+        if layer is not None and key in layer:
+            return layer[key]
         return self.txn.get(key, db=self.dbs[db])
 
     def _items(self, db: str, lo: bytes, hi: bytes, reverse: bool = False
               ) -> Iterator[tuple[bytes, bytes]]:
+        layer = self.journaled.get(db)
+        if layer:
+            yield from _merge_layers([_layer_items(layer, lo, hi, reverse),
+                                      self._lmdb_items(db, lo, hi, reverse)], reverse)
+            return
+        yield from self._lmdb_items(db, lo, hi, reverse)
+
+    def _lmdb_items(self, db: str, lo: bytes, hi: bytes, reverse: bool
+                    ) -> Iterator[tuple[bytes, bytes]]:
         cur = self.txn.cursor(self.dbs[db])
         if not reverse:
             yield from _cursor_range(cur, lo, hi)
@@ -1703,8 +1947,7 @@ def chunk_no_finder(index: "Index") -> Callable[[bytes], Optional[int]]:
     """`find_chunk_no` for many ids in one synchronous stretch of the trio
     thread (a write's batch): the pending layers and the read transaction
     looked up once, not per id. Use it before the next await only."""
-    layers = [layer for batch in (index._open, index._committing) if batch is not None
-              for layer in (batch.ops.get("chunkids"),) if layer]
+    layers = index._layers("chunkids")
     rtxn, db = index._rtxn, index._dbs["chunkids"]
 
     def find(chunk_id: bytes) -> Optional[int]:

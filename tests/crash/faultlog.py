@@ -11,7 +11,10 @@ bytes come back), kept, or torn (a random subset of its 8-byte words reverts).
 Words that a persist covered, or that a newer kept store wrote, are final.
 
 The model is the one the design relies on: the log loses unpersisted stores,
-LMDB's committed transactions are durable (its commits fsync).
+LMDB's committed transactions and the index journal's appended records are
+durable (both fsync before they return). `hook_index` makes each of those a
+step: a cut lands before a journal append, before a checkpoint, or between
+them (journaled batches not yet in LMDB, replayed at the next opening).
 """
 
 from __future__ import annotations
