@@ -315,7 +315,8 @@ class ColdStore:
                     self._idle_bytes -= size
                     self.buffers_reused += 1
                     return idle.pop(k)
-        return mmap.mmap(-1, size)
+        # private: anonymous pages (not shmem), the daemon's own
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def _decode(self, chunk: Chunk, payload) -> bytes:
         name = packs.pack_name(chunk.pack_no)
