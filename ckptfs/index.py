@@ -453,6 +453,7 @@ class Batch:
     checkpoint: bool = False               # sealed to checkpoint the journal (idle, stop)
     journaled: bool = False                # made durable in the journal, not in LMDB
     checkpointed: bool = False             # its LMDB transaction held every journaled batch
+    checkpoint_generation: int = 0         # the journal's generation that transaction put
     # Its `logredo` puts and deletes (journaled: merged into the read layer).
     extra_ops: list[tuple[str, bytes, Optional[bytes]]] = field(default_factory=list)
 
@@ -486,6 +487,10 @@ class Index:
         self._journaled_shared: set[str] = set()
         self._journaled_entries = 0
         self._journaled_promised = 0
+        # The generation LMDB's meta `journal` holds while the journaled layer
+        # is not in LMDB yet; a checkpoint's transaction changes it before the
+        # trio thread drops the layer (`read_view` tells the two apart by it).
+        self._journaled_gen: Optional[int] = None
         self.checkpoints = 0
         self.replayed_records = self._replay_journal()
         self._rtxn = self.env.begin()
@@ -862,6 +867,7 @@ class Index:
             txn.put(b"journal", _JOURNAL_META.pack(generation, applied), db=self._dbs["meta"])
         self._renew_read_txn()
         self._journal = jr.Journal(path, generation, applied + 1)
+        self._journaled_gen = generation
         return True
 
     def _load_counters(self) -> None:
@@ -901,8 +907,18 @@ class Index:
     def read_view(self) -> "ReadView":
         """A read-only view of the durable state (no pending batch), for a worker
         thread: one LMDB read transaction, consistent until closed."""
-        self._journaled_shared.update(self._journaled)
-        return ReadView(self.env.begin(), self._dbs, dict(self._journaled))
+        txn = self.env.begin()
+        journaled: dict[str, SortedDict] = {}
+        if self._journaled:
+            # Between a checkpoint's LMDB transaction (on the committer's
+            # worker) and its trio side dropping the layer, LMDB holds the
+            # layer and the checkpoint's own batch: the layer over it would
+            # put older values over that batch's.
+            raw = txn.get(b"journal", db=self._dbs["meta"])
+            if raw is not None and _JOURNAL_META.unpack(raw)[0] == self._journaled_gen:
+                self._journaled_shared.update(self._journaled)
+                journaled = dict(self._journaled)
+        return ReadView(txn, self._dbs, journaled)
 
     def adjust_counter(self, name: bytes, delta: int) -> None:
         """Add delta to a chunk-table total; it commits with the open batch."""
@@ -1291,6 +1307,7 @@ class Index:
             self._journaled = {}
             self._journaled_shared.clear()
             self._journaled_entries = 0
+            self._journaled_gen = batch.checkpoint_generation
             self._promised_total -= self._journaled_promised
             self._journaled_promised = 0
         self._committing = None
@@ -1552,6 +1569,7 @@ class Index:
         if journal is not None:
             journal.reset(generation)
             batch.checkpointed = True
+            batch.checkpoint_generation = generation
             self.checkpoints += 1
 
     @staticmethod

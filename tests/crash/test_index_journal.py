@@ -336,6 +336,46 @@ def test_read_views_see_journaled_batches_and_never_change(inproc):
     fs.run(main)
 
 
+def test_a_view_taken_while_a_checkpoint_lands_sees_that_checkpoint_whole(inproc, monkeypatch):
+    """A checkpoint's LMDB transaction commits on the committer's worker; the
+    trio thread drops the journaled layer only after. A read_view taken in
+    between sees LMDB with the layer and the checkpoint's own batch in it: the
+    layer over that would give the batch's keys their older values, mixed
+    with its newer ones elsewhere."""
+    fs = inproc(OPTS)
+    index = fs.index
+    seen: list[tuple[int, bool]] = []
+    real_commit = index._lmdb_commit
+
+    def commit_then_look(batch, extra, journal):
+        real_commit(batch, extra, journal)
+        if batch.checkpointed:
+            # What the publisher or a read window would take on the trio
+            # thread right now, before the committer's trio side runs.
+            view = trio.from_thread.run_sync(index.read_view)
+            try:
+                ino = trio.from_thread.run_sync(fs.lookup, "d/v")
+                seen.append((ix.get_inode(view, ino).size,
+                             ix.lookup_entry(view, trio.from_thread.run_sync(fs.lookup, "d"),
+                                             b"w") is not None))
+            finally:
+                view.close()
+
+    monkeypatch.setattr(index, "_lmdb_commit", commit_then_look)
+
+    async def main(fs):
+        mkdir_d(fs)
+        await write_all(fs, {"d/v": b"1" * 100})        # journaled
+        assert fs.index._journaled and fs.index.checkpoints == 0
+        monkeypatch.setattr(jr.Journal, "fits", lambda self, n: False)
+        await write_all(fs, {"d/v": b"2" * 200})        # does not fit: a checkpoint
+        await write_all(fs, {"d/w": b"3"})
+        assert fs.index.checkpoints >= 1
+
+    fs.run(main)
+    assert seen and seen[0] == (200, False), seen
+
+
 def test_sigkill_between_journaled_commits_and_their_checkpoint(make_mount):
     """A real mount, files closed one by one with sync=close, then SIGKILL
     before the idle checkpoint: every closed file is there after the next
