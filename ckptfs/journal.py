@@ -118,7 +118,7 @@ def read_records(path: str, generation: int, after_seq: int
     Stops at the first record that is not whole, not of that generation or
     out of sequence."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return
     try:
@@ -149,7 +149,12 @@ def create(path: str, size_bytes: Optional[int] = None) -> bool:
     the disk has no room for it: the index then commits without a journal."""
     size_bytes = JOURNAL_BYTES if size_bytes is None else size_bytes
     tmp = path + ".creating"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.unlink(tmp)              # a creation cut off before its rename
+    except FileNotFoundError:
+        pass
+    # O_EXCL: never a file or symlink planted under that name.
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.posix_fallocate(fd, 0, size_bytes)
         zeros = bytes(_ZEROS_STEP)
@@ -179,7 +184,7 @@ class Journal:
 
     def __init__(self, path: str, generation: int, next_seq: int) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self.fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         self.size_bytes = os.fstat(self.fd).st_size
         self.generation = generation
         self.next_seq = next_seq

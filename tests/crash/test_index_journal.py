@@ -394,3 +394,25 @@ def test_sigkill_between_journaled_commits_and_their_checkpoint(make_mount):
     m.umount()
     res = m.fsck()
     assert res.returncode == 0, res.stdout
+
+
+def test_the_journal_is_never_made_or_opened_through_a_symlink(tmp_path):
+    """The index directory is the daemon's, but a symlink planted under the
+    journal's names (its temporary one included) is neither followed when the
+    journal is made nor when it is opened: the target is left as it was."""
+    target = tmp_path / "victim"
+    target.write_bytes(b"keep me")
+    index_dir = tmp_path / "index"
+    index_dir.mkdir()
+    path = str(index_dir / jr.JOURNAL_NAME)
+    os.symlink(target, path + ".creating")
+    assert jr.create(path, 64 * KiB)
+    assert target.read_bytes() == b"keep me"
+    assert not os.path.islink(path) and os.path.getsize(path) == 64 * KiB
+    os.unlink(path)
+    os.symlink(target, path)
+    with pytest.raises(OSError):
+        jr.Journal(path, 1, 1)
+    with pytest.raises(OSError):
+        list(jr.read_records(path, 1, 0))
+    assert target.read_bytes() == b"keep me"
