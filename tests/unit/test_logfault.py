@@ -109,3 +109,51 @@ def test_sent_sigbus_still_kills(tmp_path):
     """)
     assert "survived" not in res.stdout
     assert res.returncode == -signal.SIGBUS, (res.returncode, res.stderr)
+
+
+def test_readers_racing_cuts_never_trust_a_zero_page(tmp_path):
+    """Threads read a guarded mapping while its file is cut short and
+    written back again and again: a read `log_mapping_clean` vouches for is
+    always the file's bytes (every byte within the file's end is 7), never
+    the zero page of a fault; the faults happen and are repaired."""
+    res = run(tmp_path, """
+        import threading, time
+        fd, m = cut_mapping("log", pages=64)
+        os.pwrite(fd, bytes([7]) * (64 * PAGE), 0)
+        slot = native.guard_log_mapping(m, writable=True)
+        stop = time.monotonic() + 2.0
+        trusted = [0] * 4
+        bad = []
+
+        def reader(k):
+            off = 0
+            while time.monotonic() < stop and not bad:
+                g0 = native.log_fault_gen()
+                if not native.log_mapping_clean(slot, g0):
+                    native.repair_log_mapping(slot, fd)
+                    continue
+                got = bytes(m[off:off + 16 * PAGE])
+                if native.log_mapping_clean(slot, g0):
+                    if got != bytes([7]) * len(got):
+                        bad.append(off)
+                    trusted[k] += 1
+                else:
+                    native.repair_log_mapping(slot, fd)
+                off = (off + 5 * PAGE) % (48 * PAGE)
+
+        threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        cuts = 0
+        while time.monotonic() < stop:
+            os.ftruncate(fd, PAGE)
+            os.pwrite(fd, bytes([7]) * (63 * PAGE), PAGE)   # grows as it writes
+            cuts += 1
+        for t in threads:
+            t.join()
+        assert not bad, bad
+        assert native.log_faults() > 0 and min(trusted) > 0, (native.log_faults(), trusted)
+        print("ok", cuts, native.log_faults(), trusted)
+    """)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("ok"), res.stdout
