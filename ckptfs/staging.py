@@ -592,13 +592,21 @@ class WriteStager:
     # ------------------------------------------------------- the byte work
 
     def store_blocking(self, plan: WritePlan, data: bytes) -> None:
-        """Copy a write's bytes into the log. May block."""
+        """Copy a write's bytes into the log. May block.
+
+        A large write's new chunks (dedup off: every piece is one) start on
+        their way to the disk at once, as a stream's do when fed: the commit
+        then waits for less (`PmemLog.start_writeback`). Not for small ones:
+        those are stored on the trio thread (`store`)."""
         view = memoryview(data)
         for (log_off, pos, length), chunk in zip(plan.pieces, plan.chunks):
             if chunk is None:
                 self.log.write(log_off, view[pos:pos + length])
             else:
                 chunk.crcs = self.log.store(log_off, view[pos:pos + length])
+        if len(data) > INLINE_BYTES and any(plan.chunks):
+            self.log.start_writeback([(log_off, length) for (log_off, _, length), chunk
+                                      in zip(plan.pieces, plan.chunks) if chunk is not None])
 
     def feed_blocking(self, stream: ChunkStream,
                       jobs: list[tuple[WritePlan, Union[bytes, LogBytes]]],

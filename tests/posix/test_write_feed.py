@@ -156,12 +156,14 @@ def _log_pages(log_path: str) -> Optional[tuple[int, int]]:
     return int(st[1]), int(st[2])
 
 
-def test_a_fed_stream_is_on_its_way_to_the_disk_before_its_fsync(make_mount, tmp_path):
-    """The new chunks a stream's feed settles are handed to the disk's
-    writeback as it goes (not first by the fsync that makes them durable):
-    once 48 MiB are fed, few of the log's pages are still only dirty. The
-    fsync still makes the file durable: whole after a kill."""
-    m = make_mount(options=["pmem_size=512M", "sync=close"])
+@pytest.mark.parametrize("dedup", ["on", "off"])
+def test_a_fed_stream_is_on_its_way_to_the_disk_before_its_fsync(make_mount, dedup):
+    """The new chunks a stream's feed settles (dedup off: every large
+    write's pieces, as they are stored) are handed to the disk's writeback
+    as it goes, not first by the fsync that makes them durable: once 48 MiB
+    are written, few of the log's pages are still only dirty. The fsync
+    still makes the file durable: whole after a kill."""
+    m = make_mount(options=["pmem_size=512M", "sync=close", f"dedup={dedup}"])
     # Mounted over its source: the log is reached through the daemon's fd.
     fds = f"/proc/{m.pid}/fd"
     log_path = next(f"{fds}/{n}" for n in os.listdir(fds)
