@@ -407,14 +407,32 @@ def _store_state(root: Path) -> dict[str, str]:
 
 
 def _copy_index(src: Path, dst: Path) -> None:
-    """A consistent copy of a live index (one LMDB read transaction)."""
+    """A consistent copy of a live index: LMDB in one read transaction and
+    the journal beside it (ckptfs/journal.py), whose records past the seq the
+    LMDB copy holds its opening replays. Taken again if a checkpoint started
+    the journal over meanwhile (its records would then belong to a newer
+    generation than the copy's LMDB names, and be skipped)."""
     import lmdb
-    dst.mkdir()
-    env = lmdb.open(str(src), readonly=True, max_dbs=32)
-    try:
-        env.copy(str(dst))
-    finally:
-        env.close()
+    from ckptfs import journal as jr
+
+    def generation(env) -> bytes:
+        with env.begin() as txn:
+            return txn.get(b"journal", db=env.open_db(b"meta", txn=txn, create=False))
+
+    for _ in range(20):
+        shutil.rmtree(dst, ignore_errors=True)
+        dst.mkdir()
+        env = lmdb.open(str(src), readonly=True, max_dbs=32)
+        try:
+            before = generation(env)
+            env.copy(str(dst))
+            if (src / jr.JOURNAL_NAME).exists():
+                shutil.copyfile(src / jr.JOURNAL_NAME, dst / jr.JOURNAL_NAME)
+            if generation(env) == before:
+                return
+        finally:
+            env.close()
+    raise AssertionError(f"no copy of {src} between two checkpoints")
 
 
 def test_an_index_older_than_the_store_deletes_and_overwrites_no_pack(make_mount, tmp_path,
