@@ -233,6 +233,10 @@ FILE_COUNTERS = (b"files", b"file_bytes")
 # once less than half of it is left, so that the other half takes the commits
 # that free space (LMDB copies every page it changes, even to delete).
 RESERVE_MIN_BYTES = 4 << 20
+# With the journal: journaled batches wait for their checkpoint in the reserve
+# (`_plan_log_bytes`), so it is larger (preallocated, not written).
+JOURNAL_RESERVE_MIN_BYTES = 32 << 20
+JOURNAL_RESERVE_DISK_FRACTION = 32    # but no more than this part of a small disk
 RESERVE_MAX_BYTES = 256 << 20
 RESERVE_FRACTION = 8
 RESERVE_STEP_BYTES = 1 << 20          # preallocation step when the disk is nearly full
@@ -269,6 +273,7 @@ _U64x2 = struct.Struct(">QQ")
 # this many keys (its memory: ~150 bytes a key) or the committer was idle this long.
 JOURNAL_MAX_ENTRIES = 1 << 16
 JOURNAL_IDLE_CHECKPOINT_S = 2.0
+JOURNAL_PAGE_BYTES = 4096
 _JOURNAL_META = struct.Struct("<QQ")   # generation, last seq applied
 
 _WATCHED_DBS = frozenset(("extents", "chunks", "inodes"))
@@ -454,6 +459,7 @@ class Batch:
     journaled: bool = False                # made durable in the journal, not in LMDB
     checkpointed: bool = False             # its LMDB transaction held every journaled batch
     checkpoint_generation: int = 0         # the journal's generation that transaction put
+    journal_promise: int = 0               # reserve its checkpoint may take (`_plan_log_bytes`)
     # Its `logredo` puts and deletes (journaled: merged into the read layer).
     extra_ops: list[tuple[str, bytes, Optional[bytes]]] = field(default_factory=list)
 
@@ -522,6 +528,7 @@ class Index:
         # Room for growth; None until `keep_reserve` (fsck and recover keep none).
         self.room_bytes: Optional[int] = None
         self.reserve_target_bytes = 0
+        self._reserve_min_bytes = RESERVE_MIN_BYTES
         self.stalled: Optional[BaseException] = None   # the batch in commit finds no room
         self._promised_total = 0          # admitted growth not yet committed
         self._data_fd = -1
@@ -565,7 +572,7 @@ class Index:
         when a quarter of it is used. Returns the room. May block."""
         psize = self.env.stat()["psize"]
         used = (self.env.info()["last_pgno"] + 1) * psize
-        target = min(max(used // RESERVE_FRACTION, RESERVE_MIN_BYTES), RESERVE_MAX_BYTES)
+        target = min(max(used // RESERVE_FRACTION, self._reserve_min_bytes), RESERVE_MAX_BYTES)
         self.reserve_target_bytes = target
         size = os.fstat(self._data_fd).st_size
         # Pages freed inside the file count too, but only matter when the room
@@ -595,7 +602,7 @@ class Index:
         second thread hop per commit for it. May block (fstat)."""
         psize = self.env.stat()["psize"]
         used = (self.env.info()["last_pgno"] + 1) * psize
-        target = min(max(used // RESERVE_FRACTION, RESERVE_MIN_BYTES), RESERVE_MAX_BYTES)
+        target = min(max(used // RESERVE_FRACTION, self._reserve_min_bytes), RESERVE_MAX_BYTES)
         size = os.fstat(self._data_fd).st_size
         # The conditions under which `_refill_reserve` counts no pages, grows
         # nothing and `_write_ahead` writes nothing.
@@ -816,7 +823,14 @@ class Index:
         in order, in one transaction that also starts a new generation (what
         is left in the file can then never count). Returns how many. Replaying
         again (a crash before that transaction) writes the same values: the
-        records hold values, not changes. May block."""
+        records hold values, not changes. May block.
+
+        When that transaction finds no room (a full disk: one transaction
+        cannot reuse the pages it frees, nor find long runs of freed pages for
+        big values), each record is applied in a transaction of its own, with
+        its seq, as the batches were committed before the journal; then the
+        new generation. Only when one record does not fit either does the
+        opening fail (IndexFull: nothing lost, free some space)."""
         state = self._journal_state()
         if state is None:
             return 0
@@ -826,6 +840,27 @@ class Index:
             return 0
         last = records[-1][0]
         try:
+            try:
+                self._apply_records(records, jr.new_generation())
+            except IndexFull:
+                log.warning("index %s: no room to replay %d journaled commits at once: "
+                            "one transaction each", self.path, len(records))
+                for record in records:
+                    self._apply_records([record], generation)
+                self._apply_records([], jr.new_generation(), last)
+        except IndexFull as e:
+            raise IndexFull(f"no room in {self.path} to replay the {len(records)} journaled "
+                            f"commits into the index ({e}): free some space on its disk "
+                            "and open it again; nothing is lost") from e
+        log.info("index %s: replayed %d journaled commits (seq %d-%d)", self.path,
+                 len(records), records[0][0], last)
+        return len(records)
+
+    def _apply_records(self, records: list[tuple[int, bytes]], generation: int,
+                       last: Optional[int] = None) -> None:
+        """records' changes into LMDB in one transaction that records
+        (generation, the last record's seq, or last). May block."""
+        try:
             with self.env.begin(write=True) as txn:
                 for _, payload in records:
                     for table, key, value in jr.decode_payload(payload):
@@ -833,21 +868,16 @@ class Index:
                             txn.delete(key, db=self._dbs[table])
                         else:
                             txn.put(key, value, db=self._dbs[table])
-                txn.put(b"journal", _JOURNAL_META.pack(jr.new_generation(), last),
-                        db=self._dbs["meta"])
+                seq = records[-1][0] if records else last
+                txn.put(b"journal", _JOURNAL_META.pack(generation, seq), db=self._dbs["meta"])
         except (ValueError, KeyError) as e:
             raise FormatError(f"{self._journal_path()}: a journal record with a valid "
                               f"CRC does not parse ({e})") from e
         except lmdb.Error as e:
             if isinstance(e, lmdb.MapFullError) or any(
                     os.strerror(code) in str(e) for code in (errno.ENOSPC, errno.EDQUOT, errno.EIO)):
-                raise IndexFull(f"no room in {self.path} to replay the {len(records)} journaled "
-                                f"commits into the index ({e}): free some space on its disk "
-                                "and open it again; nothing is lost") from e
+                raise IndexFull(str(e)) from e
             raise
-        log.info("index %s: replayed %d journaled commits (seq %d-%d)", self.path,
-                 len(records), records[0][0], last)
-        return len(records)
 
     def start_journal(self) -> bool:
         """Commit through the journal from now on (the mount; before the
@@ -868,6 +898,11 @@ class Index:
         self._renew_read_txn()
         self._journal = jr.Journal(path, generation, applied + 1)
         self._journaled_gen = generation
+        if self.room_bytes is not None:
+            st = os.fstatvfs(self._data_fd)
+            self._reserve_min_bytes = max(RESERVE_MIN_BYTES, min(
+                JOURNAL_RESERVE_MIN_BYTES, st.f_blocks * st.f_frsize // JOURNAL_RESERVE_DISK_FRACTION))
+            self.room_bytes = self._refill_reserve()
         return True
 
     def _load_counters(self) -> None:
@@ -1339,10 +1374,9 @@ class Index:
             # its `logredo` record too (what `_plan_log_bytes` counts against
             # the room), so that the checkpoint, and a replay on a full disk,
             # find room for it in the reserve.
-            redo_bytes = len(batch.redo) if batch.redo is not None and \
-                self.room_bytes is not None else 0
-            self._promised_total += redo_bytes
-            self._journaled_promised += batch.promised_bytes + redo_bytes
+            more = max(batch.journal_promise - batch.promised_bytes, 0)
+            self._promised_total += more
+            self._journaled_promised += batch.promised_bytes + more
         else:
             self._promised_total -= batch.promised_bytes
         self._note_room()
@@ -1420,12 +1454,35 @@ class Index:
             waiting = self._redo_bytes + total
             batch.flush_redo = (self._stopping or waiting > REDO_PENDING_MAX_BYTES
                                 or time.monotonic() - self._redo_since > REDO_MAX_AGE_S)
+        room_ok = True
+        if self.room_bytes is not None:
+            need = 2 * total + GROWTH_PER_FILE_COMMIT_BYTES
+            room_ok = self._room_left() >= need
+            if not room_ok and self._journaled_promised \
+                    and self._room_left() + self._journaled_promised >= need:
+                # The journaled batches' growth (their `logredo` records
+                # above all) holds the room: they go into LMDB with this batch
+                # (a checkpoint), and the reserve is measured again after it.
+                batch.checkpoint = True
+                room_ok = True
         # A batch that persists the log anyway persists its own bytes with it.
         batch.journal_log = (self._read_log is not None and not batch.flush_redo
                              and 0 < total <= REDO_BATCH_MAX_BYTES
                              and len(batch.log_chunks) == len(batch.persist_ranges)
-                             and (self.room_bytes is None
-                                  or self._room_left() >= 2 * total + GROWTH_PER_FILE_COMMIT_BYTES))
+                             and room_ok)
+        if self._journal is not None and self.room_bytes is not None and not batch.checkpoint:
+            # What its checkpoint may take of the reserve at most: a page per
+            # key and two per table (the checkpoint writes every journaled
+            # batch in one transaction: pages freed between them are not
+            # reused) and its `logredo` record. Journaled only while the
+            # reserve holds it, so that a checkpoint, or the replay after a
+            # crash, finds room in the reserve even when the disk is full.
+            promise = (JOURNAL_PAGE_BYTES * (batch.op_count() + 2 * len(batch.ops))
+                       + (total if batch.journal_log else 0))
+            if self._journaled_promised and self._room_left() < promise:
+                batch.checkpoint = True
+            else:
+                batch.journal_promise = promise
 
     def _redo_record(self, log_chunks: list[tuple[int, int, int]]) -> bytes:
         """The `logredo` value of these chunks, their bytes read from the log."""
@@ -1517,7 +1574,9 @@ class Index:
             self._redo[redo_no] = [(off, length) for off, length, _ in batch.log_chunks]
             self._redo_bytes += sum(length for _, length, _ in batch.log_chunks)
             self._redo_next = redo_no + 1
-        if self.room_bytes is not None:
+        if batch.journaled:
+            batch.room_after = self.room_bytes     # LMDB did not change
+        elif self.room_bytes is not None:
             try:
                 batch.room_after = self._room_without_upkeep()
             except (OSError, lmdb.Error):

@@ -416,3 +416,37 @@ def test_the_journal_is_never_made_or_opened_through_a_symlink(tmp_path):
     with pytest.raises(OSError):
         list(jr.read_records(path, 1, 0))
     assert target.read_bytes() == b"keep me"
+
+
+def test_a_replay_without_room_for_one_transaction_applies_each_record_alone(
+        inproc, monkeypatch, caplog):
+    """On a full disk one transaction holding every journaled batch may not
+    fit where the batches one by one did: the replay then applies each record
+    in a transaction of its own (its seq with it), then the new generation.
+    (tests/crash/test_index_full.py's kill -9 on a full ext4 lands here.)"""
+    files = contents(random.Random(10), 15)
+    fs = inproc(OPTS)
+
+    async def main(fs):
+        mkdir_d(fs)
+        await write_all(fs, files)
+
+    fs.run(main)
+    fs.close()
+    records = len(valid_records(fs.source))
+    apply = ix.Index._apply_records
+    sizes = []
+
+    def no_room_for_many(self, recs, generation, last=None):
+        sizes.append(len(recs))
+        if len(recs) > 1:
+            raise ix.IndexFull("no room (injected)")
+        return apply(self, recs, generation, last)
+
+    monkeypatch.setattr(ix.Index, "_apply_records", no_room_for_many)
+    again, n_replayed = reopen(inproc, fs, caplog)
+    assert n_replayed == records
+    assert sizes[:records + 2] == [records] + [1] * records + [0]
+    assert again.run(lambda f: read_all(f, files)) == files
+    again.close()
+    check_fsck(again)
