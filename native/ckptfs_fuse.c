@@ -732,6 +732,8 @@ static int map_answer(int fd, const struct fuse_in_header *in, const fp_table *t
             if (crc32c(0, chunk + k0, (size_t)(k1 - k0))
                     != le32_at(t->crcs + 4 * (e->crc_at + k0 / B))) {
                 map_drop(spans, n_spans);
+                if (!log_faults->clean(map_slot, gen0))
+                    log_faults->repair(map_slot, map_fd, 0);    /* zeros checked */
                 return 0;
             }
         }
