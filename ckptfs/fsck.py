@@ -77,6 +77,8 @@ class Fsck:
     extents: dict[int, list[Extent]] = field(default_factory=lambda: defaultdict(list))
     links: Counter = field(default_factory=Counter)        # ino -> dirents naming it
     subdirs: Counter = field(default_factory=Counter)      # dir ino -> child dirs
+    named_in: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # ino -> a (parent, name)
+    _users: Optional[dict[int, set[int]]] = None          # chunk -> inodes (damage reports)
     orphans: set[int] = field(default_factory=set)
     unreferenced: set[int] = field(default_factory=set)    # chunks no extent names
     bad_records: set[int] = field(default_factory=set)     # chunks whose record is damaged
@@ -166,6 +168,7 @@ class Fsck:
                              _delete_entry(parent, name, cookie))
                 continue
             cookies[(parent, cookie)] = name
+            self.named_in.setdefault(ino, (parent, name))
             if ix.listing_name(kv, parent, cookie) != name:
                 self.problem("dirents", f"entry {name!r} in {parent} is missing from the "
                              "listing order", _put_listing(parent, cookie, name))
@@ -679,8 +682,35 @@ class Fsck:
                             raise DamagedData(f"pre-existing file {path!r} shrank "
                                               f"to {st.st_size} bytes")
                 except (CkptfsError, OSError) as e:
-                    self.problem("data", f"chunk {chunk.chunk_no}: {e} (reads of it give EIO)")
+                    self.problem("data", f"chunk {chunk.chunk_no}: {e} (reads of it give EIO"
+                                 f"{self._files_of(chunk.chunk_no)})")
                 bar.update(chunk.length)
+
+    def _files_of(self, chunk_no: int, most: int = 3) -> str:
+        """'; in /a, /b and N more': the files whose extents name the chunk."""
+        if self._users is None:     # built once, at the first damaged chunk
+            self._users = defaultdict(set)
+            for ino, exts in self.extents.items():
+                for e in exts:
+                    self._users[e.chunk_no].add(ino)
+        inos = sorted(self._users.get(chunk_no, ()))
+        if not inos:
+            return ""
+        paths = [self._path(ino) for ino in inos[:most]]
+        more = f" and {len(inos) - most} more" if len(inos) > most else ""
+        return f"; in {', '.join(paths)}{more}"
+
+    def _path(self, ino: int) -> str:
+        """A path of ino from the root, as the entries fsck read name it."""
+        parts: list[str] = []
+        seen: set[int] = set()
+        while ino != ROOT_INO:
+            if ino in seen or ino not in self.named_in:
+                return f"inode {ino}" if not parts else f"(no path)/{'/'.join(reversed(parts))}"
+            seen.add(ino)
+            ino, name = self.named_in[ino]
+            parts.append(name.decode("utf-8", "backslashreplace"))
+        return "/" + "/".join(reversed(parts))
 
 
 def _bad_name(parent: int, name: bytes) -> Optional[str]:

@@ -97,7 +97,10 @@ def test_mapped_read_of_a_cut_log_is_eio_and_the_daemon_lives(make_mount, monkey
         os.close(fd)
     assert read_file(m.path / "keep") == keep
     m.umount()
-    _check_cut_reported(m, expect_data_problems=True)
+    problems = _check_cut_reported(m, expect_data_problems=True)
+    # Each chunk past the cut is named with its file: f's, never keep's.
+    data = [p for p in problems if p.startswith("problem [data]")]
+    assert all(p.endswith("; in /f)") for p in data), data
     # Grown back as the refusal says, it mounts: keep is whole, f is EIO.
     m.start()
     assert read_file(m.path / "keep") == keep
@@ -107,7 +110,7 @@ def test_mapped_read_of_a_cut_log_is_eio_and_the_daemon_lives(make_mount, monkey
     m.umount()
 
 
-def _check_cut_reported(m, expect_data_problems: bool) -> None:
+def _check_cut_reported(m, expect_data_problems: bool) -> list[str]:
     """fsck names the cut and (only) the chunks past it; a mount refuses the
     cut log in one line until it is grown back to its size."""
     size = _log_size(m)
@@ -123,6 +126,7 @@ def _check_cut_reported(m, expect_data_problems: bool) -> None:
         m.start()
     assert "cut short" in str(err.value), err.value
     os.truncate(_log(m), size)
+    return problems
 
 
 def _log_size(m) -> int:
