@@ -638,17 +638,7 @@ def log_fault_api_address() -> int:
 
 # ---- the log writer (ckptfs/logwriter.py, native/ckptfs_logwr.h) ----------------
 
-__all__ += ["WriterThreads", "start_writeback"]
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing the file's dirty pages in [offset, offset+length) back
-    to the disk, not waiting for them (sync_file_range WRITE): makes nothing
-    durable, leaves less for the next fsync to wait for. May block while the
-    device's queue is full. Raises OSError."""
-    rc = lib.ckptfs_logwr_writeback(fd, offset, length)
-    if rc:
-        raise OSError(-rc, f"starting writeback: {os.strerror(-rc)}")
+__all__ += ["WriterThreads"]
 
 
 class WriterThreads:
@@ -680,6 +670,14 @@ class WriterThreads:
         if rc:
             raise OSError(-rc, os.strerror(-rc))
         self._held[token] = buf
+
+    def start_writeback(self, fd: int, off: int, length: int) -> None:
+        """Queue the start of the writeback of fd's dirty pages in [off,
+        off+length) to the disk (sync_file_range WRITE, not waited for,
+        never reaped). Any thread."""
+        rc = lib.ckptfs_logwr_submit(self._handle, fd, ffi.NULL, length, off, 0)
+        if rc:
+            raise OSError(-rc, os.strerror(-rc))
 
     def reap(self) -> list[tuple[int, int]]:
         """(token, bytes written or -errno) of every finished job."""

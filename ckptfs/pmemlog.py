@@ -86,6 +86,8 @@ class PmemLog:
         self._cursor = SUPERBLOCK_BYTES  # next-fit keeps writes sequential in the log
         self._scratch = threading.local()  # read_extents_into's partial blocks, per thread
         self._closers: list = []         # run before the fd closes (logwriter's threads)
+        self._writeback: Optional[native.WriterThreads] = None    # `start_writeback`'s thread
+        self._writeback_lock = threading.Lock()
         self.cut_to: Optional[int] = None  # the file's end, if cut short (open's allow_short)
         # A SIGBUS on the mapping is a counted fault, not a dead daemon
         # (native/ckptfs_logfault.c); unguarded (-1: DAX, or no slot), views copy.
@@ -422,18 +424,25 @@ class PmemLog:
             native.persist(self.mapping, off, length, self.dax)
 
     def start_writeback(self, ranges: Iterable[tuple[int, int]]) -> None:
-        """Start writing the given log bytes back to the disk, not waiting for
-        them: a later `persist` of them waits only for what is still in
-        flight. Makes nothing durable. On a DAX log nothing to do. May block
-        while the device's queue is full. A failure is left to the `persist`
-        that makes them durable, which reports it."""
+        """Have the given log bytes start on their way to the disk: a later
+        `persist` of them waits only for what is still in flight. Makes
+        nothing durable. Never blocks: a C thread of its own submits them
+        (the submission sleeps while the device is busy), in order. On a
+        DAX log nothing to do. A failure is left to the `persist` that makes
+        them durable, which reports it."""
         if self.dax:
             return
+        with self._writeback_lock:
+            threads = self._writeback
+            if threads is None:
+                # Started on first use, after the daemon has forked into its own.
+                threads = self._writeback = native.WriterThreads(1)
+                self.on_close(threads.close)
         for off, length in ranges:
             try:
-                native.start_writeback(self.fd, off, length)
+                threads.start_writeback(self.fd, off, length)
             except OSError as e:
-                log.debug("writeback of log bytes [%d, +%d) not started: %s", off, length, e)
+                log.debug("writeback of log bytes [%d, +%d) not queued: %s", off, length, e)
                 return
 
     def read_into(self, out: memoryview, log_off: int, chunk_len: int, crcs: bytes,

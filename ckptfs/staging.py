@@ -596,8 +596,8 @@ class WriteStager:
 
         A large write's new chunks (dedup off: every piece is one) start on
         their way to the disk at once, as a stream's do when fed: the commit
-        then waits for less (`PmemLog.start_writeback`). Not for small ones:
-        those are stored on the trio thread (`store`)."""
+        then waits for less (`PmemLog.start_writeback`). Not small ones: a
+        queued job per few KiB would cost more than the fsync saves."""
         view = memoryview(data)
         for (log_off, pos, length), chunk in zip(plan.pieces, plan.chunks):
             if chunk is None:

@@ -19,6 +19,7 @@ typedef struct logwr_job {
     uint64_t token;
     int64_t result;
     int fd;
+    int writeback; /* sync_file_range WRITE, not reported: freed when done */
 } logwr_job;
 
 struct ckptfs_logwr {
@@ -64,6 +65,14 @@ static void *logwr_main(void *arg)
             w->todo_tail = NULL;
         pthread_mutex_unlock(&w->mu);
 
+        if (j->writeback) {
+            /* Nobody waits for it: a failure shows in the fsync that needs
+             * these pages (errseq), which this does not consume. */
+            (void)sync_file_range(j->fd, (off_t)j->off, (off_t)j->len, SYNC_FILE_RANGE_WRITE);
+            free(j);
+            pthread_mutex_lock(&w->mu);
+            continue;
+        }
         j->result = write_all(j->fd, j->buf, j->len, j->off);
 
         pthread_mutex_lock(&w->mu);
@@ -132,6 +141,7 @@ int ckptfs_logwr_submit(ckptfs_logwr *w, int fd, const void *buf, size_t len,
     j->token = token;
     j->result = 0;
     j->fd = fd;
+    j->writeback = buf == NULL;
     pthread_mutex_lock(&w->mu);
     if (w->todo_tail)
         w->todo_tail->next = j;
@@ -187,11 +197,4 @@ void ckptfs_logwr_free(ckptfs_logwr *w)
     pthread_cond_destroy(&w->wake);
     pthread_mutex_destroy(&w->mu);
     free(w);
-}
-
-int ckptfs_logwr_writeback(int fd, uint64_t off, uint64_t len)
-{
-    if (sync_file_range(fd, (off_t)off, (off_t)len, SYNC_FILE_RANGE_WRITE) != 0)
-        return -errno;
-    return 0;
 }

@@ -28,7 +28,11 @@ int ckptfs_logwr_fd(const ckptfs_logwr *w);
 
 /* Queue pwrite(fd, buf, len, off), repeated until all len bytes are written
  * (EINTR and short writes retried).  buf must stay valid and unchanged until
- * the job is reaped.  token comes back with the result.  0, or -ENOMEM. */
+ * the job is reaped.  token comes back with the result.  0, or -ENOMEM.
+ * buf NULL: start the writeback of fd's dirty pages in [off, off+len) to the
+ * disk instead (sync_file_range SYNC_FILE_RANGE_WRITE: submitted, not waited
+ * for; it may sleep while the device is busy, which is why a thread does
+ * it); nothing is reported and it is never reaped. */
 int ckptfs_logwr_submit(ckptfs_logwr *w, int fd, const void *buf, size_t len,
                         uint64_t off, uint64_t token);
 
@@ -40,12 +44,5 @@ size_t ckptfs_logwr_reap(ckptfs_logwr *w, uint64_t *tokens, int64_t *results,
 /* Let every queued job finish, stop the threads, close the eventfd and free
  * w (its unreaped results are dropped).  May block until the jobs are done. */
 void ckptfs_logwr_free(ckptfs_logwr *w);
-
-/* Start writing back the log file's dirty pages in [off, off+len) to the
- * disk without waiting for them (sync_file_range SYNC_FILE_RANGE_WRITE):
- * a later fsync/msync of them then waits only for what is still in flight.
- * Makes nothing durable.  May block while the device queue is full.  0, or
- * -errno. */
-int ckptfs_logwr_writeback(int fd, uint64_t off, uint64_t len);
 
 #endif
