@@ -54,7 +54,7 @@ order; little-endian in values):
                            regular files and the sum of their sizes, kept by
                            put_inode and delete_inode in the same
                            transactions (`ckptfs stat` without a scan)
-              b"journal" -> u64 generation + u64 seq: the journal's
+              b"journal" -> (format 7) u64 generation + u64 seq: the journal's
                            generation (journal.py) and the seq of the last
                            journal record this index holds; records of that
                            generation with the following seqs are replayed
@@ -197,8 +197,10 @@ log = logging.getLogger(__name__)
 # 1: no chunk ids; 2: SOURCE chunks without the identity of the file adopted;
 # 3: no file totals; 4: no copies of LOG chunks in packs, no unpublished
 # table; 5: no logredo table, so a format 5 ckptfs would read the log
-# without the bytes a crash left there (all upgraded in place by upgrade_format).
-FORMAT_VERSION = 6
+# without the bytes a crash left there; 6: no journal, so a format 6 ckptfs
+# would open an index without the commits its journal holds (all upgraded in
+# place by upgrade_format).
+FORMAT_VERSION = 7
 ROOT_INO = 1
 FIRST_COOKIE = 16  # cookies 1 and 2 are "." and ".." in readdir
 CRC_BLOCK_BYTES = 64 * 1024
@@ -799,6 +801,7 @@ class Index:
             if version < 5:
                 _upgrade_unpublished(txn)
             # 5 -> 6: the logredo table, empty (LMDB made it at open).
+            # 6 -> 7: nothing to convert (the journal starts with the mount).
             txn._put("meta", b"format", struct.pack("<I", FORMAT_VERSION))
 
         self.write_direct(upgrade)

@@ -452,7 +452,7 @@ def test_upgrade_records_what_it_reaches_safely(world_dir, make_mount, fsck_clea
     assert not (src / "shared" / "other.bin").exists()     # identified, so deleted with it
     index = Index(str(src / ".ckptfs" / "index"))
     try:
-        assert index.format_version() == ix.FORMAT_VERSION == 6
+        assert index.format_version() == ix.FORMAT_VERSION == 7
     finally:
         index.close()
     check_clean(fsck_clean, m)
