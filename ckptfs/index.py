@@ -1595,20 +1595,8 @@ class Index:
         try:
             with self.env.begin(write=True) as txn:
                 if journal is not None:
-                    for db_name, layer in self._journaled.items():
-                        db = self._dbs[db_name]
-                        for k, v in layer.items():
-                            if v is None:
-                                txn.delete(k, db=db)
-                            else:
-                                txn.put(k, v, db=db)
-                for db_name, layer in batch.ops.items():
-                    db = self._dbs[db_name]
-                    for k, v in layer.items():
-                        if v is None:
-                            txn.delete(k, db=db)
-                        else:
-                            txn.put(k, v, db=db)
+                    self._apply_layers(txn, self._journaled)
+                self._apply_layers(txn, batch.ops)
                 for db_name, k, v in extra:
                     if v is None:
                         txn.delete(k, db=self._dbs[db_name])
@@ -1633,6 +1621,16 @@ class Index:
             batch.checkpointed = True
             batch.checkpoint_generation = generation
             self.checkpoints += 1
+
+    def _apply_layers(self, txn: lmdb.Transaction, layers: dict[str, SortedDict]) -> None:
+        """Each table's puts and deletes (None) into txn. Worker thread."""
+        for db_name, layer in layers.items():
+            db = self._dbs[db_name]
+            for k, v in layer.items():
+                if v is None:
+                    txn.delete(k, db=db)
+                else:
+                    txn.put(k, v, db=db)
 
     @staticmethod
     def _without_redo(batch: Batch) -> None:

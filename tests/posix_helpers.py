@@ -11,6 +11,7 @@ import platform
 import pwd
 import random
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -207,3 +208,18 @@ def flip_log_bit(source: Path, name: str, file_off: int) -> None:
         byte = f.read(1)
         f.seek(pos)
         f.write(bytes([byte[0] ^ 0x40]))
+
+
+def in_thread(fn, *args) -> tuple[threading.Thread, list]:
+    """Run fn(*args) in a thread; the list gets its result or its exception."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(fn(*args))
+        except BaseException as e:      # handed to the test
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from posix_helpers import drop_pages, log_position, pattern, push_to_daemon, read_file
+from posix_helpers import drop_pages, in_thread, log_position, pattern, push_to_daemon, read_file
 
 MiB = 1 << 20
 PAGE = 4096
@@ -26,20 +25,6 @@ WAIT_S = 60.0
 
 def _log(m) -> Path:
     return m.source / ".ckptfs" / "pmem.log"
-
-
-def _in_thread(fn, *args) -> tuple[threading.Thread, list]:
-    out: list = []
-
-    def run() -> None:
-        try:
-            out.append(fn(*args))
-        except BaseException as e:      # handed to the test
-            out.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
 
 
 def _wait_until(cond, timeout_s: float) -> bool:
@@ -71,7 +56,7 @@ def test_mapped_read_of_a_cut_log_is_eio_and_the_daemon_lives(make_mount, monkey
         assert os.pread(fd, MiB, 0) == data[:MiB]
         for _ in range(10):
             drop_pages(fd)
-            reader, got = _in_thread(os.pread, fd, MiB, 2 * MiB)
+            reader, got = in_thread(os.pread, fd, MiB, 2 * MiB)
             if _wait_until(lambda: marker.exists() or not reader.is_alive(), WAIT_S) \
                     and marker.exists():
                 break
@@ -148,7 +133,7 @@ def test_chunk_feed_over_a_cut_log_fails_the_file_not_the_daemon(make_mount, mon
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view[:MiB]):]
-        pushed, out = _in_thread(push_to_daemon, fd)
+        pushed, out = in_thread(push_to_daemon, fd)
         pushed.join(WAIT_S)
         assert out == [None], out
         assert _wait_until(marker.exists, WAIT_S), "the feed never read the log in place"

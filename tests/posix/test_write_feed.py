@@ -13,13 +13,12 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
-import threading
 import time
 from typing import Optional
 
 import pytest
 
-from posix_helpers import pattern, push_to_daemon, read_file
+from posix_helpers import in_thread, pattern, push_to_daemon, read_file
 
 MiB = 1 << 20
 WAIT_S = 60.0
@@ -30,21 +29,6 @@ def _wait_until(cond, what: str, timeout_s: float = WAIT_S) -> None:
     while not cond():
         assert time.monotonic() < end, what
         time.sleep(0.02)
-
-
-def _in_thread(fn, *args) -> tuple[threading.Thread, list]:
-    """Run fn(*args) in a thread; the list gets its result or its exception."""
-    out: list = []
-
-    def run() -> None:
-        try:
-            out.append(fn(*args))
-        except BaseException as e:      # handed to the test
-            out.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -74,7 +58,7 @@ def test_write_reply_does_not_wait_for_the_chunk_feed(make_mount, monkeypatch, t
         _write_all(fd, data)
         # Every page written back and answered (no commit): with the reply
         # waiting for the chunks, this would wait as long as the feed is held.
-        pushed, out = _in_thread(push_to_daemon, fd)
+        pushed, out = in_thread(push_to_daemon, fd)
         pushed.join(WAIT_S)
         assert not pushed.is_alive(), "the WRITE replies waited for the held chunk feed"
         assert out == [None], out
@@ -83,8 +67,8 @@ def test_write_reply_does_not_wait_for_the_chunk_feed(make_mount, monkeypatch, t
         _wait_until(marker.exists, "the chunk feed never ran")
         # The page cache is dropped: a read goes to the daemon, which waits for
         # the feed; so does fsync.
-        reader, got = _in_thread(os.pread, fd, 2 * MiB, 3 * MiB)
-        syncer, synced = _in_thread(os.fsync, fd)
+        reader, got = in_thread(os.pread, fd, 2 * MiB, 3 * MiB)
+        syncer, synced = in_thread(os.fsync, fd)
         time.sleep(0.5)
         assert reader.is_alive() and syncer.is_alive(), \
             f"a read or fsync did not wait for the chunk feed: {got} {synced}"
@@ -125,7 +109,7 @@ def test_crash_while_the_feed_is_behind_keeps_the_fsynced_content(make_mount, mo
     assert not marker.exists()
     fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
     _write_all(fd, pattern(6 * MiB, seed=2))
-    pushed, out = _in_thread(push_to_daemon, fd)
+    pushed, out = in_thread(push_to_daemon, fd)
     pushed.join(WAIT_S)
     assert not pushed.is_alive() and out == [None], out
     _wait_until(marker.exists, "the chunk feed never ran")
