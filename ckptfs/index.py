@@ -181,7 +181,7 @@ import struct
 import time
 import uuid as uuidlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import lmdb
 import trio
@@ -866,11 +866,7 @@ class Index:
         try:
             with self.env.begin(write=True) as txn:
                 for _, payload in records:
-                    for table, key, value in jr.decode_payload(payload):
-                        if value is None:
-                            txn.delete(key, db=self._dbs[table])
-                        else:
-                            txn.put(key, value, db=self._dbs[table])
+                    self._apply_ops(txn, jr.decode_payload(payload))
                 seq = records[-1][0] if records else last
                 txn.put(b"journal", _JOURNAL_META.pack(generation, seq), db=self._dbs["meta"])
         except (ValueError, KeyError) as e:
@@ -1597,11 +1593,7 @@ class Index:
                 if journal is not None:
                     self._apply_layers(txn, self._journaled)
                 self._apply_layers(txn, batch.ops)
-                for db_name, k, v in extra:
-                    if v is None:
-                        txn.delete(k, db=self._dbs[db_name])
-                    else:
-                        txn.put(k, v, db=self._dbs[db_name])
+                self._apply_ops(txn, extra)
                 if journal is not None:
                     txn.put(b"journal", _JOURNAL_META.pack(generation, journal.next_seq - 1),
                             db=self._dbs["meta"])
@@ -1631,6 +1623,15 @@ class Index:
                     txn.delete(k, db=db)
                 else:
                     txn.put(k, v, db=db)
+
+    def _apply_ops(self, txn: lmdb.Transaction,
+                   ops: Iterable[tuple[str, bytes, Optional[bytes]]]) -> None:
+        """(table, key, value or None for a delete) into txn, in order."""
+        for db_name, k, v in ops:
+            if v is None:
+                txn.delete(k, db=self._dbs[db_name])
+            else:
+                txn.put(k, v, db=self._dbs[db_name])
 
     @staticmethod
     def _without_redo(batch: Batch) -> None:
