@@ -458,6 +458,7 @@ class Batch:
     # (`Index._room_without_upkeep`); None: `_refill_reserve` measures it.
     room_after: Optional[int] = None
     checkpoint: bool = False               # sealed to checkpoint the journal (idle, stop)
+    checkpoint_why: str = ""               # why it checkpoints (`Index.checkpoint_reasons`)
     journaled: bool = False                # made durable in the journal, not in LMDB
     checkpointed: bool = False             # its LMDB transaction held every journaled batch
     checkpoint_generation: int = 0         # the journal's generation that transaction put
@@ -495,11 +496,27 @@ class Index:
         self._journaled_shared: set[str] = set()
         self._journaled_entries = 0
         self._journaled_promised = 0
+        # What the journaled batches' checkpoint may take of the reserve
+        # (`_checkpoint_need`), summed since the last checkpoint: keys per
+        # table, their growth admitted, the page-per-key estimate, the need.
+        self._ckpt_keys: dict[str, int] = {}
+        self._ckpt_growth_bytes = 0
+        self._ckpt_per_key_bytes = 0
+        self._ckpt_need_bytes = 0
+        # LMDB's pages per table and beside the tables (`_lmdb_pages`): LMDB
+        # does not change between checkpoints. None: not counted yet.
+        self._ckpt_lmdb_pages: Optional[tuple[dict[str, int], int]] = None
         # The generation LMDB's meta `journal` holds while the journaled layer
         # is not in LMDB yet; a checkpoint's transaction changes it before the
         # trio thread drops the layer (`read_view` tells the two apart by it).
         self._journaled_gen: Optional[int] = None
         self.checkpoints = 0
+        # Why checkpoints happened (a count per reason) and what the journal
+        # took: records appended, their bytes, the checkpoints' seconds.
+        self.checkpoint_reasons: dict[str, int] = {}
+        self.journal_records_total = 0
+        self.journal_bytes_total = 0
+        self.checkpoint_seconds_total = 0.0
         self.replayed_records = self._replay_journal()
         self._rtxn = self.env.begin()
         self._open = Batch(seq=1)
@@ -1263,6 +1280,7 @@ class Index:
                     if not self._journaled:
                         return
                     self._open.checkpoint = True      # the journaled batches into LMDB
+                    self._open.checkpoint_why = "stop"
                     continue
                 if self._journaled and not self.full:
                     # Idle a while: the journaled batches into LMDB, off the
@@ -1271,6 +1289,7 @@ class Index:
                         await self._work.wait()
                     if not self._work.is_set():
                         self._open.checkpoint = True
+                        self._open.checkpoint_why = "idle"
                         continue
                 elif self.full and self.room_bytes is not None:
                     # Nothing to commit and growth refused: look for room coming back.
@@ -1344,6 +1363,9 @@ class Index:
             self._journaled_gen = batch.checkpoint_generation
             self._promised_total -= self._journaled_promised
             self._journaled_promised = 0
+            self._ckpt_keys = {}
+            self._ckpt_growth_bytes = self._ckpt_per_key_bytes = self._ckpt_need_bytes = 0
+            self._ckpt_lmdb_pages = None
         self._committing = None
         self._recycle_layers(batch)
         self.durable_seq = batch.seq
@@ -1386,7 +1408,16 @@ class Index:
         thread, before it stops being `_committing`). A table a ReadView holds
         is copied first: views never see a table change."""
         for db, layer in batch.ops.items():
-            self._journaled_table(db).update(layer)
+            table = self._journaled_table(db)
+            if not table:
+                table.update(layer)
+                continue
+            # Key by key (a bisection each for new keys): SortedDict.update
+            # sorts every key of the table again whenever the batch has a
+            # tenth of its keys, which randwrite's batches (130 keys against
+            # a few thousand journaled) had at every other commit.
+            for key, value in dict.items(layer):
+                table[key] = value
         for db, key, value in batch.extra_ops:
             self._journaled_table(db)[key] = value
         self._journaled_entries = sum(len(t) for t in self._journaled.values())
@@ -1463,6 +1494,7 @@ class Index:
                 # above all) holds the room: they go into LMDB with this batch
                 # (a checkpoint), and the reserve is measured again after it.
                 batch.checkpoint = True
+                batch.checkpoint_why = "room"
                 room_ok = True
         # A batch that persists the log anyway persists its own bytes with it.
         batch.journal_log = (self._read_log is not None and not batch.flush_redo
@@ -1470,18 +1502,70 @@ class Index:
                              and len(batch.log_chunks) == len(batch.persist_ranges)
                              and room_ok)
         if self._journal is not None and self.room_bytes is not None and not batch.checkpoint:
-            # What its checkpoint may take of the reserve at most: a page per
-            # key and two per table (the checkpoint writes every journaled
-            # batch in one transaction: pages freed between them are not
-            # reused) and its `logredo` record. Journaled only while the
-            # reserve holds it, so that a checkpoint, or the replay after a
-            # crash, finds room in the reserve even when the disk is full.
-            promise = (JOURNAL_PAGE_BYTES * (batch.op_count() + 2 * len(batch.ops))
-                       + (total if batch.journal_log else 0))
+            # What its checkpoint may take of the reserve at most (more than
+            # it took so far: `_checkpoint_need`) and its `logredo` record.
+            # Journaled only while the reserve holds it, so that a checkpoint,
+            # or the replay after a crash, finds room in the reserve even
+            # when the disk is full.
+            keys, per_key, need = self._checkpoint_need(batch)
+            promise = need - self._ckpt_need_bytes + (total if batch.journal_log else 0)
             if self._journaled_promised and self._room_left() < promise:
                 batch.checkpoint = True
+                batch.checkpoint_why = "reserve"
             else:
                 batch.journal_promise = promise
+                self._ckpt_keys = keys
+                self._ckpt_growth_bytes += batch.promised_bytes
+                self._ckpt_per_key_bytes = per_key
+                self._ckpt_need_bytes = need
+
+    def _checkpoint_need(self, batch: Batch) -> tuple[dict[str, int], int, int]:
+        """What the checkpoint of the journaled batches and this one may take
+        of the reserve, its `logredo` records aside: (keys per table, the
+        page-per-key estimate, the need). Trio thread.
+
+        The checkpoint writes every journaled batch in one transaction, so
+        pages freed between them are not reused. Two bounds, the smaller
+        counts: a page per key and two per table (each key's leaf page
+        copied, or split); or, once the batches hold more keys than their
+        tables have pages, every page of those tables copied once (a
+        transaction copies a page once, then writes the copy), what LMDB
+        keeps beside them (the main database, the free list, which records
+        the pages freed) and the growth the batches were admitted with
+        (`admit`: the new records and the pages they split)."""
+        keys = dict(self._ckpt_keys)
+        for db, layer in batch.ops.items():
+            keys[db] = keys.get(db, 0) + len(layer)
+        # Its `logredo` keys (`_write_batch`): its record, the records it drops.
+        redo_keys = int(batch.journal_log) + (len(self._redo) if batch.flush_redo else 0)
+        if redo_keys:
+            keys["logredo"] = keys.get("logredo", 0) + redo_keys
+        per_key = self._ckpt_per_key_bytes + JOURNAL_PAGE_BYTES * (
+            batch.op_count() + redo_keys + 2 * len(batch.ops))
+        if self._ckpt_lmdb_pages is None:
+            self._ckpt_lmdb_pages = self._lmdb_pages()
+        table_pages, other_pages = self._ckpt_lmdb_pages
+        copied = sum(min(n + 2, table_pages.get(db, 0) + 2) for db, n in keys.items())
+        capped = (JOURNAL_PAGE_BYTES * (copied + other_pages + 2 + copied // 512)
+                  + self._ckpt_growth_bytes + batch.promised_bytes)
+        return keys, per_key, min(per_key, capped)
+
+    def _lmdb_pages(self) -> tuple[dict[str, int], int]:
+        """LMDB's branch and leaf pages per table, and what a transaction may
+        write beside the tables: the main database's pages, the two meta
+        pages, and the free list's (its record of the pages free now and of
+        those the transaction frees: 8 bytes a page). A few stat calls."""
+        tables: dict[str, int] = {}
+        in_tables = 0
+        with self.env.begin() as txn:
+            for name, db in self._dbs.items():
+                st = txn.stat(db)
+                tables[name] = st["branch_pages"] + st["leaf_pages"]
+                in_tables += tables[name] + st["overflow_pages"]
+        main = self.env.stat()
+        main_pages = main["branch_pages"] + main["leaf_pages"] + main["overflow_pages"]
+        free = max(self.env.info()["last_pgno"] + 1 - 2 - main_pages - in_tables, 0)
+        return tables, main_pages + 2 + free // 512 + 1
 
     def _redo_record(self, log_chunks: list[tuple[int, int, int]]) -> bytes:
         """The `logredo` value of these chunks, their bytes read from the log."""
@@ -1545,14 +1629,17 @@ class Index:
         if batch.redo is not None:
             extra.append(("logredo", u64(redo_no), batch.redo))
         record = None
-        if journal is not None and not batch.checkpoint and not self._stopping and \
-                self._journaled_entries + batch.op_count() + len(extra) <= JOURNAL_MAX_ENTRIES:
-            tables: jr.Ops = {db: layer.items() for db, layer in batch.ops.items()}
-            if extra:
-                tables["logredo"] = [(k, v) for _, k, v in extra]
-            record = jr.encode_record(journal.generation, journal.next_seq, tables)
-            if not journal.fits(len(record)):
-                record = None           # the journal is full: this batch checkpoints
+        if journal is not None and not batch.checkpoint and not self._stopping:
+            if self._journaled_entries + batch.op_count() + len(extra) > JOURNAL_MAX_ENTRIES:
+                batch.checkpoint_why = "keys"
+            else:
+                tables: jr.Ops = {db: layer.items() for db, layer in batch.ops.items()}
+                if extra:
+                    tables["logredo"] = [(k, v) for _, k, v in extra]
+                record = jr.encode_record(journal.generation, journal.next_seq, tables)
+                if not journal.fits(len(record)):
+                    record = None       # the journal is full: this batch checkpoints
+                    batch.checkpoint_why = "journal full"
         if record is not None:
             try:
                 journal.append(record)
@@ -1563,6 +1650,8 @@ class Index:
                 raise
             batch.journaled = True
             batch.extra_ops = extra
+            self.journal_records_total += 1
+            self.journal_bytes_total += len(record)
         else:
             self._lmdb_commit(batch, extra, journal)
         for no in batch.redo_flushed or ():
@@ -1588,6 +1677,7 @@ class Index:
         generation (it then starts over). Raises IndexFull when there was no
         room (aborted: it may be retried)."""
         generation = jr.new_generation() if journal is not None else 0
+        started = time.monotonic()
         try:
             with self.env.begin(write=True) as txn:
                 if journal is not None:
@@ -1613,6 +1703,9 @@ class Index:
             batch.checkpointed = True
             batch.checkpoint_generation = generation
             self.checkpoints += 1
+            why = batch.checkpoint_why or ("stop" if self._stopping else "other")
+            self.checkpoint_reasons[why] = self.checkpoint_reasons.get(why, 0) + 1
+            self.checkpoint_seconds_total += time.monotonic() - started
 
     def _apply_layers(self, txn: lmdb.Transaction, layers: dict[str, SortedDict]) -> None:
         """Each table's puts and deletes (None) into txn. Worker thread."""
@@ -1669,13 +1762,18 @@ class Index:
             os.close(self._data_fd)
             self._data_fd = -1
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, object]:
         info = self.env.info()
         st = self.env.stat()
         return {"index_map_bytes": info["map_size"],
                 "index_used_bytes": (info["last_pgno"] + 1) * st["psize"],
                 "index_room_bytes": self.room_bytes,
-                "index_full": self.full}
+                "index_full": self.full,
+                "index_checkpoints": self.checkpoints,
+                "index_checkpoint_reasons": dict(self.checkpoint_reasons),
+                "index_checkpoint_seconds": round(self.checkpoint_seconds_total, 3),
+                "index_journal_records": self.journal_records_total,
+                "index_journal_bytes": self.journal_bytes_total}
 
 
 class DirectTxn:
