@@ -671,6 +671,16 @@ class WriterThreads:
             raise OSError(-rc, os.strerror(-rc))
         self._held[token] = buf
 
+    def submit_durable(self, fd: int, data: Buffer, off: int, token: int) -> None:
+        """Queue pwrite(fd, data, off) then fdatasync(fd): the result reaped is
+        len(data) once both succeeded, else -errno. data is kept alive (and
+        must not change) until the token is reaped."""
+        buf = ffi.from_buffer(data)
+        rc = lib.ckptfs_logwr_submit_durable(self._handle, fd, buf, len(data), off, token)
+        if rc:
+            raise OSError(-rc, os.strerror(-rc))
+        self._held[token] = buf
+
     def start_writeback(self, fd: int, off: int, length: int) -> None:
         """Queue the start of the writeback of fd's dirty pages in [off,
         off+length) to the disk (sync_file_range WRITE, not waited for,

@@ -20,6 +20,7 @@ typedef struct logwr_job {
     int64_t result;
     int fd;
     int writeback; /* sync_file_range WRITE, not reported: freed when done */
+    int datasync;  /* fdatasync(fd) after the bytes are written (ckptfs_logwr_submit_durable) */
 } logwr_job;
 
 struct ckptfs_logwr {
@@ -74,6 +75,8 @@ static void *logwr_main(void *arg)
             continue;
         }
         j->result = write_all(j->fd, j->buf, j->len, j->off);
+        if (j->datasync && j->result >= 0 && fdatasync(j->fd) != 0)
+            j->result = -(int64_t)errno;
 
         pthread_mutex_lock(&w->mu);
         j->next = NULL;
@@ -128,8 +131,8 @@ int ckptfs_logwr_fd(const ckptfs_logwr *w)
     return w->efd;
 }
 
-int ckptfs_logwr_submit(ckptfs_logwr *w, int fd, const void *buf, size_t len,
-                        uint64_t off, uint64_t token)
+static int submit(ckptfs_logwr *w, int fd, const void *buf, size_t len, uint64_t off,
+                  uint64_t token, int datasync)
 {
     logwr_job *j = malloc(sizeof *j);
     if (!j)
@@ -142,6 +145,7 @@ int ckptfs_logwr_submit(ckptfs_logwr *w, int fd, const void *buf, size_t len,
     j->result = 0;
     j->fd = fd;
     j->writeback = buf == NULL;
+    j->datasync = datasync;
     pthread_mutex_lock(&w->mu);
     if (w->todo_tail)
         w->todo_tail->next = j;
@@ -151,6 +155,20 @@ int ckptfs_logwr_submit(ckptfs_logwr *w, int fd, const void *buf, size_t len,
     pthread_cond_signal(&w->wake);
     pthread_mutex_unlock(&w->mu);
     return 0;
+}
+
+int ckptfs_logwr_submit(ckptfs_logwr *w, int fd, const void *buf, size_t len,
+                        uint64_t off, uint64_t token)
+{
+    return submit(w, fd, buf, len, off, token, 0);
+}
+
+int ckptfs_logwr_submit_durable(ckptfs_logwr *w, int fd, const void *buf, size_t len,
+                                uint64_t off, uint64_t token)
+{
+    if (buf == NULL)
+        return -EINVAL;
+    return submit(w, fd, buf, len, off, token, 1);
 }
 
 size_t ckptfs_logwr_reap(ckptfs_logwr *w, uint64_t *tokens, int64_t *results, size_t max)

@@ -36,6 +36,13 @@ int ckptfs_logwr_fd(const ckptfs_logwr *w);
 int ckptfs_logwr_submit(ckptfs_logwr *w, int fd, const void *buf, size_t len,
                         uint64_t off, uint64_t token);
 
+/* As ckptfs_logwr_submit (buf not NULL), then fdatasync(fd) once every byte
+ * is written: the result is len only when both succeeded, else -errno of the
+ * pwrite or of the fdatasync (the index journal's append: a record made
+ * durable without a Python thread, index.py). */
+int ckptfs_logwr_submit_durable(ckptfs_logwr *w, int fd, const void *buf, size_t len,
+                                uint64_t off, uint64_t token);
+
 /* Take up to max finished jobs: tokens[k] and results[k] (len, or -errno of
  * the pwrite that failed).  Returns how many.  Never blocks. */
 size_t ckptfs_logwr_reap(ckptfs_logwr *w, uint64_t *tokens, int64_t *results,

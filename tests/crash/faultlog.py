@@ -80,14 +80,31 @@ class FaultLog(PmemLog):
             self.is_cut = True
 
     def hook_index(self, index: Index) -> None:
-        """Make every index commit a step too (cut before it: it never happened)."""
+        """Make every index commit a step too (cut before it: it never happened),
+        on the worker thread (`_write_batch`) or, for a small batch, the
+        trio thread and the journal's C thread (`_append_small`): one step
+        per attempt either way."""
         write_batch = index._write_batch
+        append_small = index._append_small
+        stepped: set[int] = set()       # batches whose attempt stepped in append_small
 
         def guarded(batch, persist):
-            self.step()
+            if batch.seq in stepped:
+                stepped.discard(batch.seq)  # not small after all: the same attempt
+            else:
+                self.step()
             write_batch(batch, persist)
 
+        async def guarded_small(batch):
+            self.step()
+            stepped.add(batch.seq)
+            done = await append_small(batch)
+            if done:
+                stepped.discard(batch.seq)
+            return done
+
         index._write_batch = guarded
+        index._append_small = guarded_small
 
     # --------------------------------------------------------- the log calls
 

@@ -311,6 +311,48 @@ def test_a_full_journal_checkpoints_and_goes_on(inproc, monkeypatch):
     check_fsck(again)
 
 
+def test_a_small_files_commit_is_written_by_the_journals_c_thread(inproc, monkeypatch, caplog):
+    """A small file's durable close: its record encoded on the trio thread and
+    appended and flushed by the journal's C thread, no Python worker thread
+    (`Index._append_small`); a file with more log bytes than the trio thread
+    may copy still goes to the worker. Every record is the one the worker
+    would write: a crash before any checkpoint replays them all, fsck clean."""
+    worker: list[int] = []
+    real = ix.Index._write_batch
+
+    def counted(self, batch, persist):
+        worker.append(batch.seq)
+        return real(self, batch, persist)
+
+    monkeypatch.setattr(ix.Index, "_write_batch", counted)
+    rng = random.Random(11)
+    small = {f"d/s{i:03d}": rng.randbytes(rng.choice((100, 4 * KiB))) for i in range(30)}
+    large = {f"d/l{i:03d}": rng.randbytes(70 * KiB) for i in range(3)}
+    fs = inproc(OPTS)
+
+    async def main(fs):
+        mkdir_d(fs)
+        await fs.index.wait_durable(fs.index.current_seq())
+        before = len(worker)
+        await write_all(fs, small)
+        by_worker_small = len(worker) - before
+        await write_all(fs, large)
+        return by_worker_small, len(worker) - before, fs.index._journal.records
+
+    by_worker_small, by_worker, records = fs.run(main)
+    assert by_worker_small == 0
+    assert by_worker >= len(large)          # 70 KiB of log bytes: the worker's
+    assert records >= len(small) + len(large)
+    fs.close()                              # the crash: no checkpoint at it
+    assert len(valid_records(fs.source)) == records
+    again, n_replayed = reopen(inproc, fs, caplog)
+    assert n_replayed == records
+    both = {**small, **large}
+    assert again.run(lambda f: read_all(f, both)) == both
+    again.close()
+    check_fsck(again)
+
+
 def test_read_views_see_journaled_batches_and_never_change(inproc):
     """read_view (chunkread, fsck, publish, snapshots) sees the journaled
     batches over LMDB; a later batch does not change a view taken before it."""

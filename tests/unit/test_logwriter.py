@@ -138,3 +138,46 @@ def test_log_writer_raises_the_pwrite_error(plog, tmp_path) -> None:
         assert e.value.errno == errno.EBADF
 
     trio.run(main)
+
+
+def test_durable_writer_writes_flushes_and_reports_errno(tmp_path) -> None:
+    """journal.DurableWriter (the index journal's append on a C thread): the
+    bytes land where asked, the fdatasync runs (counted through the job's
+    result: a failing fdatasync is an error too), a bad fd's errno comes back
+    as OSError, and a cancelled write still ends before `write` returns."""
+    from ckptfs.journal import DurableWriter
+    path = tmp_path / "journal"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    ro = os.open(path, os.O_RDONLY)
+    writer = DurableWriter()
+    data = random.Random(3).randbytes(5000)
+
+    async def main():
+        await writer.write(fd, data, 4096)
+        with pytest.raises(OSError) as err:
+            await writer.write(ro, data, 0)
+        assert err.value.errno == errno.EBADF
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await writer.write(fd, b"z" * 100, 0)     # shielded: it ends first
+        await trio.lowlevel.checkpoint()
+
+    try:
+        trio.run(main)
+    finally:
+        writer.close()
+        os.close(ro)
+    assert os.pread(fd, 5000, 4096) == data
+    assert os.pread(fd, 100, 0) == b"z" * 100
+    os.close(fd)
+    # No bytes to write, then an fdatasync that fails (a pipe): its errno.
+    threads = native.WriterThreads(1)
+    r, w = os.pipe()
+    try:
+        threads.submit_durable(w, b"", 0, 1)
+        ((_, result),) = _reap_all(threads, 1).items()
+        assert result == -errno.EINVAL
+    finally:
+        threads.close()
+        os.close(r)
+        os.close(w)
