@@ -259,9 +259,9 @@ def cold_forget(ino: int) -> None:
 
 def _cold_counters() -> list[int]:
     if lib is None or not hasattr(lib, "ckptfs_cold_counters"):
-        return [0, 0, 0]
-    out = ffi.new("uint64_t[]", 3)
-    lib.ckptfs_cold_counters(out, 3)
+        return [0, 0, 0, 0]
+    out = ffi.new("uint64_t[]", 4)
+    lib.ckptfs_cold_counters(out, 4)
     return [int(x) for x in out]
 
 
@@ -394,7 +394,8 @@ def stats() -> dict[str, object]:
                 "fuse_getxattr_answered_in_c": 0, "fuse_read_answered_in_c": 0,
                 "fuse_read_bytes_in_c": 0, "fuse_read_passed_on": 0,
                 "fuse_cold_read_answered_in_c": 0, "fuse_cold_read_bytes_in_c": 0,
-                "fuse_cold_read_passed_on": 0, "fuse_read_waited_in_c": 0,
+                "fuse_cold_read_passed_on": 0, "fuse_cold_read_in_pool": 0,
+                "fuse_read_waited_in_c": 0,
                 "fuse_read_handed_back": 0, "fuse_read_withdrawals_waited": 0,
                 "fuse_write_answered_in_c": 0, "fuse_write_bytes_in_c": 0,
                 "fuse_write_passed_on": 0, "fuse_write_spliced": 0,
@@ -412,7 +413,7 @@ def stats() -> dict[str, object]:
             "fuse_read_bytes_in_c": int(out[_N_OPCODES + 5]),
             "fuse_read_passed_on": int(out[_N_OPCODES + 6]),
             "fuse_cold_read_answered_in_c": cold[0], "fuse_cold_read_bytes_in_c": cold[1],
-            "fuse_cold_read_passed_on": cold[2],
+            "fuse_cold_read_passed_on": cold[2], "fuse_cold_read_in_pool": cold[3],
             "fuse_read_waited_in_c": int(out[_N_OPCODES + 7]),
             "fuse_read_handed_back": int(out[_N_OPCODES + 9]),
             "fuse_read_withdrawals_waited": int(out[_N_OPCODES + 10]),

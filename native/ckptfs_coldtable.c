@@ -5,6 +5,7 @@
 
 #include "ckptfs_coldtable.h"
 #include "ckptfs_coldtable_answer.h"
+#include "ckptfs_readpool.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -19,8 +20,9 @@
  * and withdraws a window's table when it drops the window). */
 #define CT_SLOTS 64
 /* A READ made of more pieces than this goes to the daemon (1 MiB of the
- * smallest chunks the chunker cuts is far fewer). */
-#define CT_MAX_IOV 256
+ * smallest chunks the chunker cuts is far fewer); one iov more for the
+ * reply's header fits a read pool job (RP_IOV_MAX). */
+#define CT_MAX_IOV (RP_IOV_MAX - 1)
 
 typedef struct {
     uint64_t off, length;
@@ -35,10 +37,12 @@ typedef struct {
     uint64_t wake_at;           /* an answered READ ending past it wakes the daemon */
     uint64_t read_to;           /* where the furthest answered READ ended */
     int wake_asked;             /* 1: asked (ckptfs_cold_wanted not called yet), 2: taken */
+    unsigned inflight;          /* its READs queued or being written in the read pool
+                                   (under the pool's lock; kept with the slot) */
 } ct_table;
 
 static ct_table tables[CT_SLOTS];
-static uint64_t counters[3];
+static uint64_t counters[4];
 static int wake_fd = -1;        /* readable: a reader passed its table's mark */
 
 static ct_table *table_of(uint64_t ino)
@@ -59,6 +63,7 @@ static ct_table *table_made(uint64_t ino)
             t = &tables[i];
             ct_piece *keep = t->pieces;     /* a freed slot keeps its array */
             size_t cap = t->cap;
+            /* inflight is 0: the slot was freed by ckptfs_cold_forget, which waited */
             *t = (ct_table){.ino = ino, .pieces = keep, .cap = cap, .refill_at = 0,
                             .wake_at = UINT64_MAX};
         }
@@ -108,11 +113,29 @@ size_t ckptfs_cold_publish(uint64_t ino, const uint64_t *offs, const uint64_t *l
     return k;
 }
 
+/* No READ of t is queued or being written in the read pool any more: the
+ * memory of its pieces may go.  On the thread that answers (the only one
+ * that submits), so none is queued meanwhile; the GIL is released while
+ * waiting (a job is one writev of at most 1 MiB). */
+static void quiesce(ct_table *t)
+{
+    if (!rp_busy(&t->inflight))
+        return;
+    PyThreadState *saved = NULL;
+    if (Py_IsInitialized() && PyGILState_Check())
+        saved = PyEval_SaveThread();
+    rp_quiesce(&t->inflight);
+    if (saved != NULL)
+        PyEval_RestoreThread(saved);
+}
+
 void ckptfs_cold_trim(uint64_t ino, uint64_t below)
 {
     ct_table *t = table_of(ino);
     if (t == NULL)
         return;
+    if (t->first < t->n && t->pieces[t->first].off + t->pieces[t->first].length <= below)
+        quiesce(t);             /* a READ in flight may read a piece that goes */
     while (t->first < t->n && t->pieces[t->first].off + t->pieces[t->first].length <= below)
         t->first++;
 }
@@ -122,6 +145,7 @@ void ckptfs_cold_forget(uint64_t ino)
     ct_table *t = table_of(ino);
     if (t == NULL)
         return;
+    quiesce(t);
     t->ino = 0;
     t->first = t->n = 0;        /* the array is kept for the slot's next table */
 }
@@ -163,8 +187,8 @@ size_t ckptfs_cold_wanted(uint64_t *inos, uint64_t *read_to, size_t n)
 
 void ckptfs_cold_counters(uint64_t *out, size_t n)
 {
-    if (n > 3)
-        n = 3;
+    if (n > 4)
+        n = 4;
     for (size_t i = 0; i < n; i++)
         out[i] = __atomic_load_n(&counters[i], __ATOMIC_RELAXED);
 }
@@ -206,21 +230,38 @@ int ckptfs_cold_answer(int fd, uint64_t ino, uint64_t unique, uint64_t off, uint
                                       .iov_len = (size_t)(stop - pos)};
         pos = stop;
     }
-    /* The kernel copies out of the pieces' memory: the only copy. Nothing
-     * else changes the table meanwhile (only this thread does), and the
-     * memory stays until the table lets go of it, so the GIL may go. */
-    PyThreadState *saved = NULL;
-    if (Py_IsInitialized() && PyGILState_Check())
-        saved = PyEval_SaveThread();
-    ssize_t w = writev(fd, iov, n_iov);
-    int e = errno;
-    if (saved != NULL)
-        PyEval_RestoreThread(saved);
-    if (w < 0 && e == ENODEV) {
-        errno = ENODEV;
-        return -1;              /* unmounted: libfuse ends the session */
+    /* The kernel copies out of the pieces' memory: the only copy, on a read
+     * pool thread (this one goes on reading requests), the job counted in
+     * the table's in-flight count until it is written, and the memory kept
+     * until then (trim and forget wait for it).  Inline if the pool cannot
+     * take it: nothing else changes the table meanwhile (only this thread
+     * does), and the memory stays until the table lets go, so the GIL may go. */
+    static rp_job job;          /* this thread only; ~10 KiB, so not on its stack */
+    job.cold = 1;
+    job.fuse_fd = fd;
+    job.unique = unique;
+    job.nodeid = ino;
+    job.offset = off;
+    job.size = (uint32_t)size;
+    job.n = (size_t)n_iov;
+    job.inflight = &t->inflight;
+    memcpy(job.iov + 1, iov + 1, (size_t)(n_iov - 1) * sizeof *iov);
+    if (rp_submit(&job)) {
+        __atomic_fetch_add(&counters[3], 1, __ATOMIC_RELAXED);
+    } else {
+        PyThreadState *saved = NULL;
+        if (Py_IsInitialized() && PyGILState_Check())
+            saved = PyEval_SaveThread();
+        ssize_t w = writev(fd, iov, n_iov);
+        int e = errno;
+        if (saved != NULL)
+            PyEval_RestoreThread(saved);
+        if (w < 0 && e == ENODEV) {
+            errno = ENODEV;
+            return -1;          /* unmounted: libfuse ends the session */
+        }
+        /* ENOENT: the request was interrupted meanwhile, nobody waits for it. */
     }
-    /* ENOENT: the request was interrupted meanwhile, nobody waits for it. */
     if (end > t->read_to)
         t->read_to = end;
     if (end > t->wake_at && t->wake_asked == 0) {

@@ -12,10 +12,15 @@
  * table's mark wakes the daemon (an eventfd) to do the same without a READ.
  *
  * Every call, and the answers, run on the thread that reads the FUSE fd
- * (pyfuse3's trio thread); the memory stays the caller's and must stay
- * valid and unchanged until ckptfs_cold_forget or ckptfs_cold_trim drops
- * the pieces that point into it; call ckptfs_cold_forget before the file's
- * map, its chunks or its size change.  Counters are read from any thread. */
+ * (pyfuse3's trio thread); an answer's reply (the copy out of the cache) is
+ * written by a thread of the fast path's read pool (ckptfs_readpool.h),
+ * inline when the pool cannot take it, and counted in the table's in-flight
+ * count until written.  The memory stays the caller's and must stay valid
+ * and unchanged until ckptfs_cold_forget or ckptfs_cold_trim drops the
+ * pieces that point into it: those two wait (GIL released) for the table's
+ * replies in flight first, so once they return no thread reads the dropped
+ * pieces' memory.  Call ckptfs_cold_forget before the file's map, its
+ * chunks or its size change.  Counters are read from any thread. */
 #ifndef CKPTFS_COLDTABLE_H
 #define CKPTFS_COLDTABLE_H
 
@@ -34,10 +39,13 @@
 size_t ckptfs_cold_publish(uint64_t ino, const uint64_t *offs, const uint64_t *lens,
                            const uintptr_t *addrs, size_t n, uint64_t refill_at);
 
-/* Drop ino's pieces that end at or before file offset below. */
+/* Drop ino's pieces that end at or before file offset below (after the
+ * table's replies in flight are written, if it drops any).  May block
+ * briefly. */
 void ckptfs_cold_trim(uint64_t ino, uint64_t below);
 
-/* Drop ino's table: its READs go to the daemon again. */
+/* Drop ino's table: its READs go to the daemon again (after its replies in
+ * flight are written).  May block briefly. */
 void ckptfs_cold_forget(uint64_t ino);
 
 /* ino's wake mark (no-op, 0, for an ino without a table or before
@@ -57,7 +65,8 @@ size_t ckptfs_cold_wanted(uint64_t *inos, uint64_t *read_to, size_t n);
 /* Counters since the mount: out[0] READs answered from cold tables,
  * out[1] their bytes, out[2] READs of an inode with a table that went to
  * the daemon (a byte not published, past the refill point, too many
- * pieces).  n <= 3. */
+ * pieces), out[3] of the answered ones those whose reply a read pool
+ * thread wrote (the others were written inline: the pool was full).  n <= 4. */
 void ckptfs_cold_counters(uint64_t *out, size_t n);
 
 #endif

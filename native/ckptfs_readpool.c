@@ -68,8 +68,18 @@ static void handback(const rp_job *job, int kind)
 }
 
 /* Read and answer one job; the table's count is lowered by the caller. */
-static void run(const rp_job *job, uint8_t *buf)
+static void run(rp_job *job, uint8_t *buf)
 {
+    if (job->cold) {
+        /* Verified bytes: one writev, the kernel's copy the only one. */
+        struct fuse_out_header out = {
+            .len = (uint32_t)(sizeof out + job->size), .error = 0, .unique = job->unique};
+        job->iov[0] = (struct iovec){.iov_base = &out, .iov_len = sizeof out};
+        /* ENOENT: interrupted meanwhile, nobody waits; ENODEV: unmounted. */
+        ssize_t w = writev(job->fuse_fd, job->iov, (int)job->n);
+        (void)w;
+        return;
+    }
     ckptfs_rx_error err;
     int rc = read_extents(job->log_fd, job->ext, job->n, job->crcs, job->n_crcs,
                           RP_BLOCK_BYTES, job->offset, buf, job->size, buf + RP_READ_MAX, 0,

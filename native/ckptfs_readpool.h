@@ -5,7 +5,11 @@
  *
  * Internal to ckptfs._fusepath (not given to cffi): ckptfs_fuse.c submits,
  * the pool threads read with the read executor (ckptfs_readx.c), check every
- * block's CRC-32C, and write the reply to the FUSE fd themselves.
+ * block's CRC-32C, and write the reply to the FUSE fd themselves.  They also
+ * write the replies of cold READs (ckptfs_coldtable.c) from the verified cold
+ * cache's memory, so that the copy into FUSE is not the trio thread's: the
+ * table counts those jobs in flight the same way and waits for them before
+ * it lets go of the memory they read.
  *
  * Why withdrawing a table is safe while its reads run here.  A job carries
  * copies of what it reads with (the log fd, the extents its READ spans,
@@ -41,6 +45,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <sys/uio.h>
+
 #include "ckptfs_readx.h"
 
 typedef int (*rp_read_fn)(int, const ckptfs_rx_extent *, size_t, const uint8_t *, size_t,
@@ -56,15 +62,28 @@ typedef int (*rp_read_fn)(int, const ckptfs_rx_extent *, size_t, const uint8_t *
 /* A READ the pool answers: what the reply needs and what the read needs,
  * the extents it spans and their chunks' CRCs copied (crc_at indexes crcs
  * here), so a job never reads the table's memory. */
+/* A cold READ's reply is at most this many pieces of verified memory
+ * (ckptfs_coldtable.c's CT_MAX_IOV). */
+#define RP_IOV_MAX 256
+
 typedef struct {
     int fuse_fd;
     uint64_t unique, nodeid, fh, offset;
     uint32_t size;
+    int cold;                      /* 1: a cold READ, its reply from iov as it is */
     int log_fd;
-    size_t n, n_crcs;
+    size_t n, n_crcs;              /* cold: n is how many iov */
     unsigned *inflight;            /* its file's in-flight count (under the pool's lock) */
-    ckptfs_rx_extent ext[RP_EXT_MAX];
-    uint8_t crcs[4 * RP_CRC_MAX];
+    union {
+        struct {
+            ckptfs_rx_extent ext[RP_EXT_MAX];
+            uint8_t crcs[4 * RP_CRC_MAX];
+        };
+        /* A cold READ (ckptfs_coldtable.c): its bytes, already verified, in
+         * the cold cache's memory, which stays as it is until the job is
+         * done (the cold table waits for its jobs before it lets go). */
+        struct iovec iov[RP_IOV_MAX];
+    };
 } rp_job;
 
 /* A READ handed back to the daemon (ckptfs_fuse.h: ckptfs_fuse_handback). */

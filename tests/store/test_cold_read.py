@@ -259,6 +259,8 @@ def test_cold_reads_answered_in_c_are_the_files_bytes(make_mount, fsck_clean):
         os.close(fd)
     stats = m.stat()
     assert stats["fuse_cold_read_bytes_in_c"] > 0
+    # Their replies are written by the read pool's threads, not the trio thread.
+    assert stats["fuse_cold_read_in_pool"] > 0
     assert stats["bytes_read"] >= len(want)
     assert stats["cold_fetches"] > 0
     check_clean(fsck_clean, m)
@@ -296,6 +298,9 @@ def test_cold_reads_in_c_never_serve_evicted_stale_or_unlinked_bytes(make_mount,
     assert not errors, errors
     stats = m.stat()
     assert stats["fuse_cold_read_answered_in_c"] > 0
+    # ... replies written by the read pool while the tables were trimmed
+    # and dropped under them (ckptfs_cold_trim and _forget wait for them).
+    assert stats["fuse_cold_read_in_pool"] > 0
     assert stats["cold_fetches"] > chunks, "nothing was evicted and fetched again"
 
     # Overwritten under a reader: every pass that starts after the write
