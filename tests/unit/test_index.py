@@ -522,3 +522,22 @@ def test_a_checkpoint_writes_no_more_than_its_journaled_batches_promised(tmp_pat
     again = Index(str(tmp_path / "index"))
     assert again.replayed_records == 0
     again.close()
+
+
+def test_merge_layers_is_the_newest_value_of_every_key_not_deleted():
+    # Layers newest first over LMDB's items; a None is a pending deletion.
+    # Streams run out at different points, so the merge also goes on with
+    # one stream left (a layer's deletions past LMDB's last key included).
+    rng = random.Random(14)
+    for _ in range(200):
+        streams, want = [], {}
+        for _s in range(rng.randint(0, 4)):
+            ks = sorted(rng.sample(range(60), rng.randint(0, 25)))
+            streams.append([(k.to_bytes(2, "big"), rng.choice([None, b"v%d" % _s]))
+                            for k in ks])
+        for stream in reversed(streams):        # the oldest first, the newest wins
+            for k, v in stream:
+                want[k] = v
+        expect = sorted((k, v) for k, v in want.items() if v is not None)
+        assert list(ix._merge_layers([iter(s) for s in streams], False)) == expect
+        assert list(ix._merge_layers([iter(s[::-1]) for s in streams], True)) == expect[::-1]
