@@ -1033,8 +1033,13 @@ class Index:
         """
         # Lazy k-way merge, newest layer first: a caller that stops after one
         # item (a floor lookup) pays for one item, not for the whole batch.
+        layers = self._layers(db)
+        if len(layers) == 1:
+            yield from _merge_over(layers[0], lo, hi, self._lmdb_items(db, lo, hi, reverse),
+                                   reverse)
+            return
         sources: list[Iterator[tuple[bytes, Optional[bytes]]]] = [
-            _layer_items(layer, lo, hi, reverse) for layer in self._layers(db)]
+            _layer_items(layer, lo, hi, reverse) for layer in layers]
         sources.append(self._lmdb_items(db, lo, hi, reverse))
         yield from _merge_layers(sources, reverse)
 
@@ -1899,8 +1904,7 @@ class ReadView:
               ) -> Iterator[tuple[bytes, bytes]]:
         layer = self.journaled.get(db)
         if layer:
-            yield from _merge_layers([_layer_items(layer, lo, hi, reverse),
-                                      self._lmdb_items(db, lo, hi, reverse)], reverse)
+            yield from _merge_over(layer, lo, hi, self._lmdb_items(db, lo, hi, reverse), reverse)
             return
         yield from self._lmdb_items(db, lo, hi, reverse)
 
@@ -1942,6 +1946,37 @@ def _layer_items(layer: SortedDict, lo: bytes, hi: bytes, reverse: bool
                  ) -> Iterator[tuple[bytes, Optional[bytes]]]:
     for k in layer.irange(lo, hi, inclusive=(True, False), reverse=reverse):
         yield k, layer[k]
+
+
+def _merge_over(layer: SortedDict, lo: bytes, hi: bytes, below: Iterator[tuple[bytes, bytes]],
+                reverse: bool) -> Iterator[tuple[bytes, bytes]]:
+    """`_merge_layers` of one layer's items in [lo, hi) over a sorted stream
+    (LMDB's): the layer's value wins on equal keys, its None hides the key.
+    One comparison per item of either, none of the k-way merge's lists: a
+    publish walks a file's every extent through the journaled layer."""
+    keys = layer.irange(lo, hi, inclusive=(True, False), reverse=reverse)
+    lk = next(keys, None)
+    if lk is None:
+        yield from below
+        return
+    for k, v in below:
+        while lk is not None and (lk > k if reverse else lk < k):
+            lv = layer[lk]
+            if lv is not None:
+                yield lk, lv
+            lk = next(keys, None)
+        if lk == k:
+            lv = layer[lk]
+            if lv is not None:
+                yield lk, lv
+            lk = next(keys, None)
+        else:
+            yield k, v
+    while lk is not None:
+        lv = layer[lk]
+        if lv is not None:
+            yield lk, lv
+        lk = next(keys, None)
 
 
 def _merge_layers(sources: list[Iterator[tuple[bytes, Optional[bytes]]]], reverse: bool

@@ -541,3 +541,34 @@ def test_merge_layers_is_the_newest_value_of_every_key_not_deleted():
         expect = sorted((k, v) for k, v in want.items() if v is not None)
         assert list(ix._merge_layers([iter(s) for s in streams], False)) == expect
         assert list(ix._merge_layers([iter(s[::-1]) for s in streams], True)) == expect[::-1]
+
+
+def test_one_layer_over_lmdb_merges_as_the_k_way_merge_does(tmp_path):
+    """`_merge_over` (one layer over LMDB: the journaled layer in a ReadView,
+    the live index with one layer) yields what `_merge_layers` yields, both
+    ways, with deletions, keys only in either, and bounds inside and outside."""
+    from sortedcontainers import SortedDict
+    rng = random.Random(3)
+    committed = {k: bytes([k % 251]) * 3 for k in rng.sample(range(400), 150)}
+    index = committed_index(tmp_path, committed)
+    try:
+        view = index.read_view()
+        dbs = view.dbs
+        for _ in range(200):
+            layer = SortedDict({keys(k): (None if rng.random() < 0.3 else rng.randbytes(2))
+                                for k in rng.sample(range(400), rng.randrange(0, 60))})
+            lo, hi = sorted(rng.sample(range(-5, 410), 2))
+            lo_k, hi_k = keys(max(lo, 0)), keys(max(hi, 0))
+            for reverse in (False, True):
+                want = list(ix._merge_layers([ix._layer_items(layer, lo_k, hi_k, reverse),
+                                              view._lmdb_items("xattrs", lo_k, hi_k, reverse)],
+                                             reverse))
+                got = list(ix._merge_over(layer, lo_k, hi_k,
+                                          view._lmdb_items("xattrs", lo_k, hi_k, reverse),
+                                          reverse))
+                assert got == want, (lo, hi, reverse)
+                assert list(ix.ReadView(view.txn, dbs, {"xattrs": layer})._items(
+                    "xattrs", lo_k, hi_k, reverse)) == want
+        view.close()
+    finally:
+        index.close()
