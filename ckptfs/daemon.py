@@ -588,20 +588,22 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
             finally:
                 with trio.CancelScope(shield=True):
-                    await shut_down(fs)
+                    await shut_down(fs, opts.unmount_publish_timeout_s)
                 inner.cancel_scope.cancel()
 
 
-async def shut_down(fs: Filesystem) -> None:
+async def shut_down(fs: Filesystem, publish_timeout_s: float = 60.0) -> None:
     """A clean unmount's work, with the committer still running: stop the mover
-    (and publishing), commit every closed file, publish a snapshot, then end
-    the committer."""
+    (and publishing), commit every closed file, then (publishing on) copy to
+    the store what it lacks and publish a covering snapshot, within
+    publish_timeout_s (unmount_publish_timeout), or (off) publish a snapshot;
+    then end the committer."""
     try:
         if fs.tierer is not None:
             await fs.tierer.stop()
         await fs.shutdown()
         if fs.tierer is not None:
-            await fs.tierer.publish_at_unmount()
+            await fs.tierer.publish_at_unmount(publish_timeout_s)
     finally:
         fs.index.stop()     # else the committer would wait forever
 

@@ -4,7 +4,8 @@ CKPTFS_DEBUG_PAUSE="POINT:PATH". The first time the mover reaches POINT it
 creates PATH and waits there while PATH exists, so that crash tests kill the
 daemon exactly there instead of sleeping and hoping (or delete PATH to let it
 go on). Points: pack-begin (an intent durable, no byte of the pack written),
-pack-writing (a pack half written), pack-written (committed in the store,
+pack-writing (a pack half written), unmount-pack-writing (the same,
+in a clean unmount's last publishing round only), pack-written (committed in the store,
 not yet named by the index), pass-done (a pass finished and durable),
 pack-dead (a pack that lost its last chunk left the index, its blob not yet
 deleted), publish-failed (a publishing round failed, its error not yet

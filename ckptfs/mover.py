@@ -72,7 +72,7 @@ from .backing.base import Backend
 from .chunker import Chunker, chunk_id
 from .debugpause import pause_blocking, pausing_at
 from .errors import (BackingFull, BlobDamaged, BlobMissing, CkptfsError, DamagedData, Fenced,
-                     StoreAhead)
+                     OperationFailed, StoreAhead)
 from .index import CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, Chunk, Extent, Index
 from .pmemlog import PmemLog
 from .reclaim import Reclaimer
@@ -116,6 +116,9 @@ class BackgroundThread:
         self._nice = nice
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
+        # A clean unmount's last round (`Mover.finish_by`): a cancelled caller
+        # stops waiting; the job runs on, the thread ends after it.
+        self.abandon_on_cancel = False
 
     def _loop(self) -> None:
         try:
@@ -146,13 +149,16 @@ class BackgroundThread:
             done.set()
 
         self._jobs.put((fn, args, trio.lowlevel.current_trio_token(), deliver))
-        with trio.CancelScope(shield=True):
+        with trio.CancelScope(shield=not self.abandon_on_cancel):
             await done.wait()
         return box[0].unwrap()
 
     def close(self) -> None:
+        """The thread ends after the job it runs, if any (a later `run` starts
+        another: a clean unmount's last round comes after the mover stopped)."""
         if self._thread is not None:
             self._jobs.put(None)
+            self._thread = None
 
 
 class StoreAheadFence:
@@ -193,6 +199,10 @@ class Mover:
         self.repacked_chunks = 0           # gc's rewrites (`repack`)
         self.fenced: Optional[str] = None  # the volume went to another node: write nothing
         self._thread = BackgroundThread()
+        # A clean unmount's deadline (time.monotonic) for pack writes, and the
+        # lock every log read of a pack write holds: see `finish_by`.
+        self._stop_at: Optional[float] = None
+        self._log_reads = threading.Lock()
         self._failed_write = trio.Event()
         self.shared = shared
         # Adopted packs a flip left unnamed: the collector drops their refs.
@@ -203,6 +213,32 @@ class Mover:
     def close(self) -> None:
         """The mover's thread ends (after the job it runs, if any)."""
         self._thread.close()
+
+    def finish_by(self, timeout_s: float) -> None:
+        """A clean unmount's last publishing round: a pack write still under
+        way `timeout_s` from now gives up before its next chunk (OperationFailed;
+        its intent has the next mount delete what it wrote), and a caller
+        cancelled meanwhile stops waiting for it. Then `let_go`."""
+        self._stop_at = time.monotonic() + timeout_s
+        self._thread.abandon_on_cancel = True
+
+    def let_go(self) -> None:
+        """After the last round: no pack write reads the log from now on (a
+        read under way ends first: the log may be closed next), the thread
+        ends. Blocks for at most one chunk's read from the log."""
+        self._stop_at = time.monotonic()
+        with self._log_reads:
+            pass
+        self.close()
+
+    def _read_for_pack_blocking(self, buf: memoryview, chunk: Chunk) -> None:
+        """A chunk's log bytes for a pack, unless the unmount's deadline passed
+        (`finish_by`). May block."""
+        with self._log_reads:
+            if self._stop_at is not None and time.monotonic() >= self._stop_at:
+                raise OperationFailed("the unmount's time for publishing ran out "
+                                      "(unmount_publish_timeout)")
+            self.log.read_into(buf, chunk.log_off, chunk.length, chunk.crcs, 0)
 
     async def failed_write(self) -> None:
         """Wait until a pack write fails after its intent was durable."""
@@ -467,7 +503,7 @@ class Mover:
                         continue
                 buf = memoryview(bytearray(chunk.length))
                 try:
-                    self.log.read_into(buf, chunk.log_off, chunk.length, chunk.crcs, 0)
+                    self._read_for_pack_blocking(buf, chunk)
                 except DamagedData as e:
                     log.error("not tiering chunk %d: %s", chunk.chunk_no, e)
                     out.append(None)
@@ -485,6 +521,9 @@ class Mover:
                                             chunk.length)
                     if len(writer) == 1 and pausing_at("pack-writing"):
                         pause_blocking("pack-writing")
+                    if len(writer) == 1 and self._stop_at is not None \
+                            and pausing_at("unmount-pack-writing"):
+                        pause_blocking("unmount-pack-writing")
                 out.append(by_id[cid])
             if not writer.entries:
                 writer.abort()              # every chunk was another volume's already

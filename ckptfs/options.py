@@ -46,6 +46,10 @@ OPTIONS: dict[str, tuple[bool, str]] = {
     "publish_delay": (True, "seconds within which every commit is copied to the backing "
                             "store and published (default 5 when backing= names a store, off "
                             "for the default store below SOURCE); off: only at tiering"),
+    "unmount_publish_timeout": (True, "with publishing on: seconds a clean unmount may spend "
+                                      "copying what is not in the store yet and publishing "
+                                      "(default 60); what is left then stays in the log and "
+                                      "the next mount publishes it"),
     "peers": (True, "all, or volume names joined by ':': show below this mount's own files, "
                     "read-only, what those other volumes of the backing store published "
                     "(merged by path; own names win); default: none"),
@@ -99,6 +103,7 @@ class MountOptions:
     aws_profile: Optional[str] = None
     volume: Optional[str] = None
     publish_delay_s: Optional[float] = None     # None: the default; math.inf: off
+    unmount_publish_timeout_s: float = 60.0
     peers: Optional[list[str]] = None           # None: no peer view; []: every other volume
     peer_refresh_s: float = 2.0
     hot_versions: int = 2
@@ -153,6 +158,7 @@ class MountOptions:
         if self.publish_delay_s is not None:
             parts.append("publish_delay=" + ("off" if math.isinf(self.publish_delay_s)
                                              else f"{self.publish_delay_s}"))
+        parts.append(f"unmount_publish_timeout={self.unmount_publish_timeout_s:g}")
         if self.peers is not None:
             parts.append("peers=" + (":".join(self.peers) or "all"))
             parts.append(f"peer_refresh={self.peer_refresh_s:g}")
@@ -260,6 +266,14 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
                                  f"{value!r}") from None
             if not 0 < opts.publish_delay_s <= 86400:
                 raise UsageError("publish_delay must be between 0 and 86400 seconds, or off")
+    elif name == "unmount_publish_timeout":
+        try:
+            opts.unmount_publish_timeout_s = float(value)
+        except ValueError:
+            raise UsageError(f"unmount_publish_timeout must be a number of seconds, not "
+                             f"{value!r}") from None
+        if not 0 <= opts.unmount_publish_timeout_s <= 86400:
+            raise UsageError("unmount_publish_timeout must be between 0 and 86400 seconds")
     elif name == "peers":
         from .volumes import check_name
         if value in ("all", "") or value is None:

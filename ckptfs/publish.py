@@ -282,12 +282,15 @@ class PublishLoop:
 
     # ------------------------------------------------------------- a round
 
-    async def round(self) -> None:
-        """Copy every unpublished chunk into packs, then publish a snapshot."""
+    async def round(self, sources: bool = True) -> None:
+        """Copy every unpublished chunk into packs, then publish a snapshot.
+        sources: also pack some of the files adopted from SOURCE."""
         tierer = self.tierer
         self._round_begun_seq = self.index.durable_seq
         # Nothing more goes to the store once another node holds the volume.
-        await trio.to_thread.run_sync(self.publisher.volume.fence)
+        # (At unmount a cancelled round stops waiting: a store call only.)
+        await trio.to_thread.run_sync(self.publisher.volume.fence,
+                                      abandon_on_cancel=self.publisher.abandon_checks)
         self.state = "copying"
         # Under the publish lock: gc (which holds it too) must never take a
         # copy being written for a stray, nor its intent for a leftover.
@@ -320,7 +323,8 @@ class PublishLoop:
                     if cur is not None and cur.kind == CHUNK_LOG and not cur.copied \
                             and cur.log_off == chunk.log_off:
                         uncopyable.add(chunk.chunk_no)      # its log bytes are damaged
-            await self._pack_sources()
+            if sources:
+                await self._pack_sources()
             await self.index.wait_durable(self.index.current_seq())
             self._uncopyable = frozenset(uncopyable)
             if self._sources == [] and self._sources_done_seq == float("inf"):
@@ -333,6 +337,55 @@ class PublishLoop:
         # (what it listed turned out uncopyable).
         if self.publisher.published_seq >= 0:
             self._head_published(self.publisher.published_seq)
+
+    async def round_at_unmount(self, timeout_s: float) -> None:
+        """A clean unmount's last round, after its final commits (the loop and
+        the mover stopped: `daemon.shut_down`): every unpublished chunk copied,
+        then a covering head, within `timeout_s` (unmount_publish_timeout).
+        A store that is down, full or slow: one warning with the bytes only
+        on this node (they stay in its log; the next mount publishes them).
+        Adopted files still to pack wait for the next mount (they may be
+        large). Never raises but on cancellation."""
+        if self.delay_s is None or self.fenced is not None:
+            return
+        mover = self.tierer.mover
+        why = None
+        mover.finish_by(timeout_s)
+        self.publisher.abandon_checks = True
+        try:
+            with trio.move_on_after(timeout_s) as scope:
+                try:
+                    await self.round(sources=False)
+                    self._succeeded()
+                except Fenced as e:
+                    self.fence(str(e))
+                    return
+                except (CkptfsError, OSError) as e:
+                    why = str(e)
+                except Exception as e:  # noqa: BLE001 - the unmount goes on
+                    log.exception("publishing at unmount failed unexpectedly")
+                    why = str(e)
+            if scope.cancelled_caught:
+                why = f"not done within unmount_publish_timeout={timeout_s:g} s"
+        finally:
+            mover.let_go()
+        left = self.index.counters[b"unpublished_bytes"]
+        if why is None and self.covered_seq >= self._round_begun_seq:
+            log.info("unmount: every committed byte is in the store %s (snapshot of state %d)",
+                     self.publisher.backend.url, self.covered_seq)
+            return
+        if why is None:
+            why = "the last snapshot does not cover everything" + \
+                  ("" if self._sources_done_seq != float("inf")
+                   else " (files adopted from SOURCE are still to be packed)")
+        if left == 0:
+            log.warning("unmount: every chunk is in the store %s but no snapshot there names "
+                        "the last commits (%s); the next mount publishes one (ckptfs recover "
+                        "meanwhile restores the previous one)", self.publisher.backend.url, why)
+            return
+        log.warning("unmount: %d bytes committed are only on this node, not in the store %s "
+                    "(%s); they stay in the log and the next mount publishes them",
+                    left, self.publisher.backend.url, why)
 
     async def _pack_sources(self) -> None:
         """Pack up to SOURCE_PACKS_PER_ROUND packs of adopted files' bytes and

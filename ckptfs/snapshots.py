@@ -191,6 +191,9 @@ class Publisher:
         # Told the state (index seq) of every head published (publish.py's lag).
         self.on_published: list[Callable[[int], None]] = []
         self.lock = trio.Lock()        # callers serialise publishes and gc with it
+        # A clean unmount's last round (publish.py): a cancelled publish stops
+        # waiting for its check of the store's heads (store calls only).
+        self.abandon_checks = False
         # Dedup across volumes (chunkindex.py): own packs get an index object
         # before a head names them; letting a pack go condemns it (own) or
         # drops this volume's ref (another's).
@@ -209,7 +212,8 @@ class Publisher:
         # Checked before the number is reserved: a refused publish must not
         # consume numbers until one passes the store's newest head.
         await trio.to_thread.run_sync(self._check_newest, self.index.counters[b"next_head"],
-                                      limiter=self.limiter)
+                                      limiter=self.limiter,
+                                      abandon_on_cancel=self.abandon_checks)
         seq = self.index.reserve_id(b"next_head")
         await self.index.wait_durable(self.index.current_seq())
         state_seq = self._state_seq = self.index.durable_seq

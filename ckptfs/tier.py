@@ -307,9 +307,14 @@ class Tierer:
 
     # ------------------------------------------------------- snapshots, gc
 
-    async def publish_at_unmount(self) -> None:
-        """The last snapshot, after the final commits (the mover is stopped)."""
-        await self.collector.publish_at_unmount()
+    async def publish_at_unmount(self, timeout_s: float) -> None:
+        """After the final commits (the mover and publishing stopped): with
+        publishing on, its last round (every chunk not in the store yet copied,
+        then a covering head) within timeout_s; else the last snapshot."""
+        if self.publishing is not None and self.publishing.delay_s is not None:
+            await self.publishing.round_at_unmount(timeout_s)
+        else:
+            await self.collector.publish_at_unmount()
 
     async def publish(self) -> None:
         """A snapshot now, unless nothing changed (publishing's rounds)."""
