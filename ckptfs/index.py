@@ -524,7 +524,18 @@ class Index:
         self.journal_records_total = 0
         self.journal_bytes_total = 0
         self.checkpoint_seconds_total = 0.0
-        self.replayed_records = self._replay_journal()
+        # Room for growth; None until `keep_reserve` (fsck and recover keep none).
+        # Set before the replay: its no-room check (`_no_room`) reads them
+        # (no data.mdb fd yet: the disk's free space by the index's path).
+        self.room_bytes: Optional[int] = None
+        self.reserve_target_bytes = 0
+        self._reserve_min_bytes = RESERVE_MIN_BYTES
+        self._data_fd = -1
+        try:
+            self.replayed_records = self._replay_journal()
+        except BaseException:
+            self.env.close()            # else this process can never open it again
+            raise
         self._rtxn = self.env.begin()
         self._open = Batch(seq=1)
         self._committing: Optional[Batch] = None
@@ -551,13 +562,8 @@ class Index:
         self.counters: dict[bytes, int] = {}
         self._spare_layers: list[SortedDict] = []     # emptied layers of durable batches
         self._load_counters()
-        # Room for growth; None until `keep_reserve` (fsck and recover keep none).
-        self.room_bytes: Optional[int] = None
-        self.reserve_target_bytes = 0
-        self._reserve_min_bytes = RESERVE_MIN_BYTES
         self.stalled: Optional[BaseException] = None   # the batch in commit finds no room
         self._promised_total = 0          # admitted growth not yet committed
-        self._data_fd = -1
         self._written_to = 0            # data.mdb is written (not just allocated) below this
         self._full_since: Optional[float] = None
         # Log bytes carried in the index (`logredo`): how the committer reads
@@ -897,8 +903,9 @@ class Index:
             raise FormatError(f"{self._journal_path()}: a journal record with a valid "
                               f"CRC does not parse ({e})") from e
         except lmdb.Error as e:
-            if isinstance(e, lmdb.MapFullError) or any(
-                    os.strerror(code) in str(e) for code in (errno.ENOSPC, errno.EDQUOT, errno.EIO)):
+            # An EIO counts only on a disk with no room left: a failing disk's
+            # EIO is no "free some space".
+            if isinstance(e, lmdb.MapFullError) or self._no_room(e):
                 raise IndexFull(str(e)) from e
             raise
 

@@ -492,3 +492,38 @@ def test_a_replay_without_room_for_one_transaction_applies_each_record_alone(
     assert again.run(lambda f: read_all(f, files)) == files
     again.close()
     check_fsck(again)
+
+
+def test_an_eio_at_replay_is_no_full_disk_unless_the_disk_is_full(inproc, monkeypatch):
+    """The replay's transaction fails with EIO: on a disk with room that is a
+    disk error (the opening fails with it), not "no room, free some space"
+    (IndexFull, and one transaction per record first); with the disk's free
+    space below the reserve's minimum it is the short write of a full disk
+    (IndexFull). The free space comes from the index's path: no data.mdb fd
+    is open at the replay."""
+    files = contents(random.Random(11), 5)
+    fs = inproc(OPTS)
+
+    async def main(fs):
+        mkdir_d(fs)
+        await write_all(fs, files)
+
+    fs.run(main)
+    fs.close()
+    assert valid_records(fs.source)
+
+    def eio(self, txn, ops):
+        raise lmdb.Error("mdb_txn_commit: Input/output error")
+
+    monkeypatch.setattr(ix.Index, "_apply_ops", eio)
+    with pytest.raises(lmdb.Error, match="Input/output error") as info:
+        inproc(OPTS, source=fs.source)
+    assert not isinstance(info.value, ix.IndexFull)
+    monkeypatch.setattr(ix.Index, "_disk_free_bytes", lambda self: 0)
+    with pytest.raises(ix.IndexFull, match="no room in .* to replay"):
+        inproc(OPTS, source=fs.source)
+    monkeypatch.undo()
+    again = inproc(OPTS, source=fs.source)
+    assert again.run(lambda f: read_all(f, files)) == files
+    again.close()
+    check_fsck(again)
