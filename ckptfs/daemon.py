@@ -600,11 +600,14 @@ async def shut_down(fs: Filesystem, publish_timeout_s: float = 60.0) -> None:
     then end the committer."""
     try:
         if fs.tierer is not None:
+            fs.tierer.unmounting(publish_timeout_s)
             await fs.tierer.stop()
         await fs.shutdown()
         if fs.tierer is not None:
             await fs.tierer.publish_at_unmount(publish_timeout_s)
     finally:
+        if fs.tierer is not None:
+            fs.tierer.mover.let_go()    # a pack write abandoned reads the log no more
         fs.index.stop()     # else the committer would wait forever
 
 

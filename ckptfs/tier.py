@@ -140,9 +140,19 @@ class Tierer:
             self.mover.close()
             self._stopped.set()
 
+    def unmounting(self, timeout_s: float) -> None:
+        """A clean unmount begins (before `stop`): store calls in flight are
+        not waited for once cancelled (a pack write gives up within timeout_s,
+        `Mover.finish_by`; the lease and heads checks are abandoned), so that
+        a store that is down or slow cannot hold the unmount up."""
+        self.mover.finish_by(timeout_s)
+        if self.publisher is not None:
+            self.publisher.abandon_checks = True
+
     async def stop(self) -> None:
         """Cancel the mover and wait until it is gone (a pack in flight is
-        finished but never named: its intent has the next mount delete it)."""
+        finished but never named: its intent has the next mount delete it;
+        after `unmounting`, not waited for)."""
         self._scope.cancel()
         await self._stopped.wait()
 

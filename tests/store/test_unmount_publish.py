@@ -145,9 +145,13 @@ def test_pack_write_under_way_gives_up_at_the_timeout(make_mount, tmp_path, monk
     src.mkdir()
     marker = tmp_path / "paused"
     monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"unmount-pack-writing:{marker}")
+    # sync=lazy with a long lazy_delay: the files' commits are made durable by
+    # the unmount's final commits, so no round of the loop can copy them first.
     m = make_mount(options=["pmem_size=256M", f"backing={store}", "volume=node",
-                            "publish_delay=60", "unmount_publish_timeout=3"], source=src)
+                            "publish_delay=60", "unmount_publish_timeout=3", "sync=lazy",
+                            "lazy_delay=600"], source=src)
     monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
+    run_ckptfs("sync", "--published", str(m.path))     # the mount's own round is done
     want = write_now(m)
     t = time.monotonic()
     try:
