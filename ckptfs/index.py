@@ -276,6 +276,10 @@ _U64x2 = struct.Struct(">QQ")
 JOURNAL_MAX_ENTRIES = 1 << 16
 JOURNAL_IDLE_CHECKPOINT_S = 2.0
 JOURNAL_PAGE_BYTES = 4096
+# A value longer than this goes to LMDB's overflow pages (4 KiB pages: a node
+# of at most ~2,040 bytes, key and header included): a run of contiguous
+# pages, which freed pages scattered inside the file cannot serve.
+LMDB_OVERFLOW_MIN_BYTES = 1900
 # A batch this small (log bytes it carries, keys) has its journal record made
 # on the trio thread and written and flushed by a C thread (`_append_small`):
 # no Python worker thread, no GIL hand-overs on a durable close's path.
@@ -503,6 +507,21 @@ class Index:
         self._journaled_shared: set[str] = set()
         self._journaled_entries = 0
         self._journaled_promised = 0
+        # What the journaled batches' checkpoint may take of the reserve
+        # (`_checkpoint_need`), summed since the last checkpoint: keys per
+        # table, their growth admitted, the page-per-key estimate, the need.
+        self._ckpt_keys: dict[str, int] = {}
+        self._ckpt_growth_bytes = 0
+        self._ckpt_per_key_bytes = 0
+        self._ckpt_need_bytes = 0
+        # Of it, the journaled values bound for LMDB's overflow pages (their
+        # `logredo` records above all), pages rounded up: they need room past
+        # LMDB's last page (`_past_end_bytes`), not pages freed inside.
+        self._ckpt_overflow_bytes = 0
+        self._past_end_bytes = 0            # the reserve past LMDB's last page, last measured
+        # LMDB's pages per table and beside the tables (`_lmdb_pages`): LMDB
+        # does not change between checkpoints. None: not counted yet.
+        self._ckpt_lmdb_pages: Optional[tuple[dict[str, int], int]] = None
         # The generation LMDB's meta `journal` holds while the journaled layer
         # is not in LMDB yet; a checkpoint's transaction changes it before the
         # trio thread drops the layer (`read_view` tells the two apart by it).
@@ -614,7 +633,8 @@ class Index:
             size += n
             want -= n
         self._write_ahead(used)
-        return max(os.fstat(self._data_fd).st_size - used, 0) + inside
+        self._past_end_bytes = max(os.fstat(self._data_fd).st_size - used, 0)
+        return self._past_end_bytes + inside
 
     def _room_without_upkeep(self) -> Optional[int]:
         """The room `_refill_reserve` would return when it would do nothing but
@@ -632,6 +652,7 @@ class Index:
                 or max(self._written_to, used) - used < WRITTEN_AHEAD_BYTES // 2:
             return None
         self.reserve_target_bytes = target
+        self._past_end_bytes = size - used
         return size - used
 
     def _write_ahead(self, used: int) -> None:
@@ -1372,6 +1393,10 @@ class Index:
             self._journaled_gen = batch.checkpoint_generation
             self._promised_total -= self._journaled_promised
             self._journaled_promised = 0
+            self._ckpt_keys = {}
+            self._ckpt_growth_bytes = self._ckpt_per_key_bytes = self._ckpt_need_bytes = 0
+            self._ckpt_overflow_bytes = 0
+            self._ckpt_lmdb_pages = None
         self._committing = None
         self._recycle_layers(batch)
         self.durable_seq = batch.seq
@@ -1510,22 +1535,100 @@ class Index:
                              and len(batch.log_chunks) == len(batch.persist_ranges)
                              and room_ok)
         if self._journal is not None and self.room_bytes is not None and not batch.checkpoint:
-            # What its checkpoint may take of the reserve at most: a page per
-            # key and two per table (the checkpoint writes every journaled
-            # batch in one transaction: pages freed between them are not
-            # reused) and its `logredo` record. Journaled only while the
-            # reserve holds it, so that a checkpoint, or the replay after a
-            # crash, finds room in the reserve even when the disk is full.
-            # (Capping it at the tables' pages let ~100 batches wait: the
-            # replay after kill -9 on a full disk then found no room,
-            # test_index_full::test_index_and_log_on_full_ext4 2 of 3.)
-            promise = (JOURNAL_PAGE_BYTES * (batch.op_count() + 2 * len(batch.ops))
-                       + (total if batch.journal_log else 0))
-            if self._journaled_promised and self._room_left() < promise:
+            # What its checkpoint may take of the reserve at most (more than
+            # it took so far: `_checkpoint_need`) and its `logredo` record.
+            # Journaled only while the reserve holds it, so that a checkpoint,
+            # or the replay after a crash, finds room in the reserve even
+            # when the disk is full.
+            keys, per_key, need = self._checkpoint_need(batch)
+            overflow = self._overflow_bytes(batch, total if batch.journal_log else 0)
+            promise = need - self._ckpt_need_bytes + overflow
+            # Its overflow values must fit past LMDB's last page with every
+            # journaled batch's, even the first's: else it goes into LMDB now,
+            # where no room means IndexFull (nothing promised), not a journaled
+            # commit that cannot be replayed on the full disk.
+            if (self._journaled_promised and self._room_left() < promise) or (
+                    overflow and self._ckpt_overflow_bytes + overflow
+                    > self._past_end_bytes - self.reserve_target_bytes // 4):
                 batch.checkpoint = True
                 batch.checkpoint_why = "reserve"
             else:
                 batch.journal_promise = promise
+                self._ckpt_keys = keys
+                self._ckpt_growth_bytes += batch.promised_bytes
+                self._ckpt_per_key_bytes = per_key
+                self._ckpt_need_bytes = need
+                self._ckpt_overflow_bytes += overflow
+
+    @staticmethod
+    def _overflow_bytes(batch: Batch, redo_bytes: int) -> int:
+        """What the batch's values bound for LMDB's overflow pages take there,
+        pages rounded up: its values longer than LMDB_OVERFLOW_MIN_BYTES and
+        its `logredo` record (redo_bytes of log, 0: none). Trio thread; one
+        length per value.
+
+        Overflow pages are a run of contiguous pages: a checkpoint (or the
+        replay after a crash) on a nearly full disk finds them past LMDB's
+        last page, not among the pages freed inside the file, which are
+        scattered (a full ext4 replay failed with 1,348 pages free inside and
+        62 past the end). A page per key would not cover them either."""
+        page = JOURNAL_PAGE_BYTES
+        nbytes = 0
+        for layer in batch.ops.values():
+            for value in dict.values(layer):
+                if value is not None and len(value) > LMDB_OVERFLOW_MIN_BYTES:
+                    nbytes += (len(value) + 16 + page - 1) // page * page
+        if redo_bytes:
+            nbytes += (redo_bytes + page + page - 1) // page * page    # its header too
+        return nbytes
+
+    def _checkpoint_need(self, batch: Batch) -> tuple[dict[str, int], int, int]:
+        """What the checkpoint of the journaled batches and this one may take
+        of the reserve, its `logredo` records aside: (keys per table, the
+        page-per-key estimate, the need). Trio thread.
+
+        The checkpoint writes every journaled batch in one transaction, so
+        pages freed between them are not reused. Two bounds, the smaller
+        counts: a page per key and two per table (each key's leaf page
+        copied, or split); or, once the batches hold more keys than their
+        tables have pages, every page of those tables copied once (a
+        transaction copies a page once, then writes the copy), what LMDB
+        keeps beside them (the main database, the free list, which records
+        the pages freed) and the growth the batches were admitted with
+        (`admit`: the new records and the pages they split)."""
+        keys = dict(self._ckpt_keys)
+        for db, layer in batch.ops.items():
+            keys[db] = keys.get(db, 0) + len(layer)
+        # Its `logredo` keys (`_write_batch`): its record, the records it drops.
+        redo_keys = int(batch.journal_log) + (len(self._redo) if batch.flush_redo else 0)
+        if redo_keys:
+            keys["logredo"] = keys.get("logredo", 0) + redo_keys
+        per_key = self._ckpt_per_key_bytes + JOURNAL_PAGE_BYTES * (
+            batch.op_count() + redo_keys + 2 * len(batch.ops))
+        if self._ckpt_lmdb_pages is None:
+            self._ckpt_lmdb_pages = self._lmdb_pages()
+        table_pages, other_pages = self._ckpt_lmdb_pages
+        copied = sum(min(n + 2, table_pages.get(db, 0) + 2) for db, n in keys.items())
+        capped = (JOURNAL_PAGE_BYTES * (copied + other_pages + 2 + copied // 512)
+                  + self._ckpt_growth_bytes + batch.promised_bytes)
+        return keys, per_key, min(per_key, capped)
+
+    def _lmdb_pages(self) -> tuple[dict[str, int], int]:
+        """LMDB's branch and leaf pages per table, and what a transaction may
+        write beside the tables: the main database's pages, the two meta
+        pages, and the free list's (its record of the pages free now and of
+        those the transaction frees: 8 bytes a page). A few stat calls."""
+        tables: dict[str, int] = {}
+        in_tables = 0
+        with self.env.begin() as txn:
+            for name, db in self._dbs.items():
+                st = txn.stat(db)
+                tables[name] = st["branch_pages"] + st["leaf_pages"]
+                in_tables += tables[name] + st["overflow_pages"]
+        main = self.env.stat()
+        main_pages = main["branch_pages"] + main["leaf_pages"] + main["overflow_pages"]
+        free = max(self.env.info()["last_pgno"] + 1 - 2 - main_pages - in_tables, 0)
+        return tables, main_pages + 2 + free // 512 + 1
 
     def _redo_record(self, log_chunks: list[tuple[int, int, int]]) -> bytes:
         """The `logredo` value of these chunks, their bytes read from the log."""

@@ -472,6 +472,58 @@ def test_space_past_the_last_page_is_written_not_only_allocated(tmp_path):
     index.close()
 
 
+def test_a_checkpoint_writes_no_more_than_its_journaled_batches_promised(tmp_path):
+    """Batches that each change 100 keys spread over every page of a table,
+    60 of them (6,000 keys on ~100 pages: randwrite's shape): their
+    checkpoint may copy each page of the table once, not a page per key, so
+    the journal holds them all until the unmount's checkpoint
+    (`_checkpoint_need`; a page per key took the reserve after a dozen). And
+    that checkpoint writes no more than they promised: a read transaction
+    held from before the first batch keeps LMDB from reusing freed pages, so
+    every page it writes lands past the file's last page."""
+    index = Index(str(tmp_path / "index"))
+    index.format(bytes(16), 0, 0, 0)
+    n = 4000
+    rng = random.Random(5)
+    index.write_direct(lambda txn: [txn._put("xattrs", keys(k), rng.randbytes(40))
+                                    for k in range(n)])
+    index.keep_reserve()
+    assert index.start_journal()
+    psize = index.env.stat()["psize"]
+    checkpoints: list[tuple[int, int]] = []
+    lmdb_commit = index._lmdb_commit
+
+    def measured(batch, extra, journal):
+        before = index.env.info()["last_pgno"]
+        promised = index._journaled_promised
+        lmdb_commit(batch, extra, journal)
+        checkpoints.append(((index.env.info()["last_pgno"] - before) * psize, promised))
+
+    index._lmdb_commit = measured
+    held = index.env.begin()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(index.run_committer, lambda ranges: None,
+                               trio.CapacityLimiter(1))
+            for _ in range(60):
+                for k in rng.sample(range(n), 100):
+                    index._put("xattrs", keys(k), rng.randbytes(40))
+                await index.wait_durable(index.current_seq())
+            index.stop()
+
+    trio.run(main)
+    held.abort()
+    assert len(checkpoints) == 1, checkpoints          # the unmount's
+    wrote, promised = checkpoints[0]
+    assert 0 < wrote <= promised, checkpoints
+    assert promised < 60 * 100 * ix.JOURNAL_PAGE_BYTES // 4
+    index.close()
+    again = Index(str(tmp_path / "index"))
+    assert again.replayed_records == 0
+    again.close()
+
+
 def test_merge_layers_is_the_newest_value_of_every_key_not_deleted():
     # Layers newest first over LMDB's items; a None is a pending deletion.
     # Streams run out at different points, so the merge also goes on with
