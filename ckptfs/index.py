@@ -172,6 +172,7 @@ ranges the batch references. A batch is atomic; batches are durable in order.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -1696,25 +1697,13 @@ class Index:
             if self._journaled_entries + batch.op_count() + len(extra) > JOURNAL_MAX_ENTRIES:
                 batch.checkpoint_why = "keys"
             else:
-                tables: jr.Ops = {db: layer.items() for db, layer in batch.ops.items()}
-                if extra:
-                    tables["logredo"] = [(k, v) for _, k, v in extra]
-                record = jr.encode_record(journal.generation, journal.next_seq, tables)
-                if not journal.fits(len(record)):
-                    record = None       # the journal is full: this batch checkpoints
+                record = _journal_record(journal, batch, extra)
+                if record is None:      # the journal is full: this batch checkpoints
                     batch.checkpoint_why = "journal full"
         if record is not None:
-            try:
+            with _journal_room():
                 journal.append(record)
-            except OSError as e:
-                full = _journal_full(e)
-                if full is not None:
-                    raise full from e
-                raise
-            batch.journaled = True
-            batch.extra_ops = extra
-            self.journal_records_total += 1
-            self.journal_bytes_total += len(record)
+            self._note_journaled(batch, extra, record)
         else:
             self._lmdb_commit(batch, extra, journal)
         self._after_write(batch, redo_no)
@@ -1749,27 +1738,24 @@ class Index:
             extra.append(("logredo", u64(redo_no), batch.redo))
         if self._journaled_entries + batch.op_count() + len(extra) > JOURNAL_MAX_ENTRIES:
             return False
-        tables: jr.Ops = {db: layer.items() for db, layer in batch.ops.items()}
-        if extra:
-            tables["logredo"] = [(k, v) for _, k, v in extra]
-        record = jr.encode_record(journal.generation, journal.next_seq, tables)
-        if not journal.fits(len(record)):
+        record = _journal_record(journal, batch, extra)
+        if record is None:
             return False
         if self._journal_writer is None:
             self._journal_writer = jr.DurableWriter()
-        try:
+        with _journal_room():
             await journal.append_by(self._journal_writer, record)
-        except OSError as e:
-            full = _journal_full(e)
-            if full is not None:
-                raise full from e
-            raise
+        self._note_journaled(batch, extra, record)
+        self._after_write(batch, redo_no)
+        return True
+
+    def _note_journaled(self, batch: Batch, extra: list[tuple[str, bytes, Optional[bytes]]],
+                        record: bytes) -> None:
+        """batch's record is durable in the journal (either writer's path)."""
         batch.journaled = True
         batch.extra_ops = extra
         self.journal_records_total += 1
         self.journal_bytes_total += len(record)
-        self._after_write(batch, redo_no)
-        return True
 
     def _after_write(self, batch: Batch, redo_no: int) -> None:
         """The batch is durable (journaled, or in LMDB): its `logredo` records'
@@ -2285,12 +2271,27 @@ def find_chunk_no(kv, chunk_id: bytes) -> Optional[int]:
     return None if raw is None else read_u64(raw)
 
 
-def _journal_full(e: OSError) -> Optional[IndexFull]:
-    """A journal append that failed for lack of room: IndexFull (the batch is
-    kept and retried whole, like a commit LMDB found no room for); else None."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return IndexFull(f"index journal: {e.strerror}")
-    return None
+def _journal_record(journal: jr.Journal, batch: Batch,
+                    extra: list[tuple[str, bytes, Optional[bytes]]]) -> Optional[bytes]:
+    """batch's journal record (its tables and the `logredo` extra ops), or None
+    when it does not fit in what is left of the journal."""
+    tables: jr.Ops = {db: layer.items() for db, layer in batch.ops.items()}
+    if extra:
+        tables["logredo"] = [(k, v) for _, k, v in extra]
+    record = jr.encode_record(journal.generation, journal.next_seq, tables)
+    return record if journal.fits(len(record)) else None
+
+
+@contextlib.contextmanager
+def _journal_room() -> Iterator[None]:
+    """A journal append that fails for lack of room raises IndexFull (the
+    batch is kept and retried whole, like a commit LMDB found no room for)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise IndexFull(f"index journal: {e.strerror}") from e
+        raise
 
 
 def chunk_no_finder(index: "Index") -> Callable[[bytes], Optional[int]]:
