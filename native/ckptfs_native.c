@@ -83,41 +83,41 @@ static inline uint64_t load64(const unsigned char *p)
     return v;
 }
 
+/* Whole blocks of 3 x stride bytes as three streams, merged at each block's
+ * end; returns the running CRC register and advances *p and *len. */
+__attribute__((target("sse4.2")))
+static inline uint64_t crc_blocks(uint64_t c0, const unsigned char **p, size_t *len,
+                                  size_t stride, uint32_t zeros[4][256])
+{
+    const unsigned char *q = *p;
+    for (; *len >= 3 * stride; *len -= 3 * stride) {
+        const unsigned char *end = q + stride;
+        uint64_t c1 = 0, c2 = 0;
+        do {
+            c0 = _mm_crc32_u64(c0, load64(q));
+            c1 = _mm_crc32_u64(c1, load64(q + stride));
+            c2 = _mm_crc32_u64(c2, load64(q + 2 * stride));
+            q += 8;
+        } while (q < end);
+        c0 = crc_shift(zeros, (uint32_t)c0) ^ c1;
+        c0 = crc_shift(zeros, (uint32_t)c0) ^ c2;
+        q += 2 * stride;
+    }
+    *p = q;
+    return c0;
+}
+
 __attribute__((target("sse4.2")))
 static uint32_t crc32c_hw(uint32_t crc, const unsigned char *p, size_t len)
 {
-    uint64_t c0 = ~crc, c1, c2;
+    uint64_t c0 = ~crc;
 
     while (len && ((uintptr_t)p & 7)) {
         c0 = _mm_crc32_u8((uint32_t)c0, *p++);
         len--;
     }
-    for (; len >= 3 * CRC_LONG; len -= 3 * CRC_LONG) {
-        const unsigned char *end = p + CRC_LONG;
-        c1 = c2 = 0;
-        do {
-            c0 = _mm_crc32_u64(c0, load64(p));
-            c1 = _mm_crc32_u64(c1, load64(p + CRC_LONG));
-            c2 = _mm_crc32_u64(c2, load64(p + 2 * CRC_LONG));
-            p += 8;
-        } while (p < end);
-        c0 = crc_shift(zeros_long, (uint32_t)c0) ^ c1;
-        c0 = crc_shift(zeros_long, (uint32_t)c0) ^ c2;
-        p += 2 * CRC_LONG;
-    }
-    for (; len >= 3 * CRC_SHORT; len -= 3 * CRC_SHORT) {
-        const unsigned char *end = p + CRC_SHORT;
-        c1 = c2 = 0;
-        do {
-            c0 = _mm_crc32_u64(c0, load64(p));
-            c1 = _mm_crc32_u64(c1, load64(p + CRC_SHORT));
-            c2 = _mm_crc32_u64(c2, load64(p + 2 * CRC_SHORT));
-            p += 8;
-        } while (p < end);
-        c0 = crc_shift(zeros_short, (uint32_t)c0) ^ c1;
-        c0 = crc_shift(zeros_short, (uint32_t)c0) ^ c2;
-        p += 2 * CRC_SHORT;
-    }
+    c0 = crc_blocks(c0, &p, &len, CRC_LONG, zeros_long);
+    c0 = crc_blocks(c0, &p, &len, CRC_SHORT, zeros_short);
     for (; len >= 8; p += 8, len -= 8)
         c0 = _mm_crc32_u64(c0, load64(p));
     while (len--)
