@@ -69,6 +69,9 @@ class DirtyFile:
         self.pending_ids: dict[bytes, int] = {}         # their ids -> chunk no
         self.staged: dict[int, StagedRecord] = {}       # by (negative) staged no
         self.stream: Optional[ChunkStream] = None
+        # Log space [next, end) the fast path writes rewrites into (staging.py's
+        # rewrite window); the stager gives back what is left when it closes.
+        self.rewrite_space: Optional[list[int]] = None
         self.trunc_to: Optional[int] = None     # committed bytes at and after this are gone
         self.mtime_ns: Optional[int] = None
         self.ctime_ns: Optional[int] = None

@@ -19,7 +19,9 @@ gets there. And it answers WRITEs of files whose write window the daemon opened 
 to back, log space reserved for its next bytes): the payload goes into the
 log from the request buffer, the extent is kept pending, and before the C
 module returns to the interpreter it calls the daemon's folder
-(`write_folder`), which takes them (`write_take`) into the files' changes.
+(`write_folder`), which takes them (`write_take`) into the files' changes;
+the same for WRITEs at other offsets of a file rewritten out of order
+(`rewrite_window`: log space reserved for its next rewrites).
 A request it passes on closes the window of the inode it touches first.
 
 In a process that loaded pyfuse3 first (tests that import the adapter) the
@@ -320,6 +322,20 @@ def write_window(ino: int, log_fd: int, file_off: int, log_off: int, log_end: in
     if not hooked() or not hasattr(lib, "ckptfs_fuse_write_window"):
         return False
     return lib.ckptfs_fuse_write_window(ino, log_fd, file_off, log_off, log_end) == 0
+
+
+def rewrite_window(ino: int, log_fd: int, stream_at: int, has_stream: bool, log_off: int,
+                   log_end: int) -> bool:
+    """WRITEs of ino at any offset may be answered in C, their bytes written
+    one after another at log_off on (up to log_end) of log_fd, except those
+    the daemon would cut as a stream (has_stream: one holding the byte at
+    stream_at, the stream's next; else one starting at or past stream_at,
+    where the file's changes end), until the window closes as
+    `write_window`'s does. False as `write_window`."""
+    if not hooked() or not hasattr(lib, "ckptfs_fuse_rewrite_window"):
+        return False
+    return lib.ckptfs_fuse_rewrite_window(ino, log_fd, stream_at, int(has_stream), log_off,
+                                          log_end) == 0
 
 
 def write_close(ino: int) -> None:

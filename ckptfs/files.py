@@ -249,11 +249,15 @@ class FileData:
                             # The stream's next writes may be answered in C
                             # (behind this one in the log and the feed's order);
                             # small ones stay fed inline, with no task.
+                            self.stager.drop_rewrite_space(df)
                             self.stager.open_window(df)
                         await self.stager.store(df, plan, data)
                         self.bytes_written += len(data)
                         if plan.stream is not None and len(data) > INLINE_BYTES:
                             self.stager.open_window(df)     # the feed's backlog went down
+                        elif plan.stream is None:
+                            # A rewrite: the file's next ones may be answered in C.
+                            self.stager.open_rewrite_window(df)
                         return
             except FileRetired:
                 # A commit dropped the file's changes while this write waited for

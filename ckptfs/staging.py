@@ -35,7 +35,14 @@ in (`fold_written`: the overlay, the stream's position, a ticket for the
 feed, which reads their bytes back from the log) exactly as `prepare_write`
 and `store` would have. The window closes whenever anything else may
 change the stream (`end_stream`, a commit's cut) and, in C, with any other
-request about the file.
+request about the file. A write out of stream order (a rewrite) opens the
+file's *rewrite window* instead (`open_rewrite_window`): the C module writes
+the file's next WRITEs at any offset one after another into log space
+reserved for them (`DirtyFile.rewrite_space`), except a WRITE the stager
+would stream (one holding the stream's next byte; with no stream, one
+starting where the file's changes end), and each is folded in as a staged
+record, as `_put_records` makes one; what the space has left goes back to the
+log when the window closes.
 
 The stager decides what runs on a worker thread: byte work over
 INLINE_BYTES (a small stream write whose turn has come is fed inline, with no
@@ -76,6 +83,8 @@ INLINE_BYTES = 64 * 1024         # byte work up to this size runs on the trio th
 FEED_BACKLOG_BYTES = 32 << 20    # stream bytes answered but not yet fed, at most
 FEED_CALL_BYTES = 8 << 20        # fed in one worker-thread call, at most
 FOLD_PIECE_BYTES = 2 << 20       # writes answered in C are fed in pieces of this much
+REWRITE_SPACE_BYTES = 1 << 20    # log space a rewrite window reserves at a time, at most
+REWRITE_REFILL_BYTES = 256 << 10  # less left than this: the window reserves afresh
 
 
 @dataclass(eq=False)
@@ -237,6 +246,9 @@ if TYPE_CHECKING:
         def write_window(self, ino: int, log_fd: int, file_off: int, log_off: int,
                          log_end: int) -> bool: ...
 
+        def rewrite_window(self, ino: int, log_fd: int, stream_at: int, has_stream: bool,
+                           log_off: int, log_end: int) -> bool: ...
+
         def write_close(self, ino: int) -> None: ...
 
 
@@ -288,6 +300,9 @@ class WriteStager:
         the arena space left, up to what the feed backlog allows."""
         if self.windows is None:
             return
+        if df.rewrite_space is not None:
+            self.open_rewrite_window(df)
+            return
         stream = df.stream
         if stream is None or not stream.alive or stream.arena is None or df.retired:
             self.windows.write_close(df.ino)
@@ -304,16 +319,58 @@ class WriteStager:
 
     def close_window(self, df: DirtyFile) -> None:
         """No more of df's writes answered in C. None can be pending: the C
-        module folds them before any Python runs on the trio thread."""
+        module folds them before any Python runs on the trio thread. A
+        rewrite window's space not written gives back."""
         if self.windows is not None:
             self.windows.write_close(df.ino)
+        self.drop_rewrite_space(df)
+
+    def drop_rewrite_space(self, df: DirtyFile) -> None:
+        """Give back what the rewrite window's space has left (its window
+        closed, or about to be replaced by the stream's)."""
+        space, df.rewrite_space = df.rewrite_space, None
+        if space is not None and space[1] > space[0]:
+            df.give_back(space[0], space[1] - space[0], written=False)
+
+    def open_rewrite_window(self, df: DirtyFile) -> None:
+        """After a write out of stream order (a rewrite): the fast path may
+        answer df's next writes at other offsets too, each into the next
+        bytes of log space reserved for them (`fold_written` makes each a
+        staged record, as `_put_records` would), except the writes that
+        would go to the stream (or begin one): those keep coming here."""
+        if self.windows is None or df.retired:
+            return
+        space = df.rewrite_space
+        if space is None or space[1] - space[0] < REWRITE_REFILL_BYTES:
+            self.drop_rewrite_space(df)
+            # Never much of a log that is filling up (tiering may be making room).
+            size = min(REWRITE_SPACE_BYTES, self.log.free_bytes // 16)
+            log_off = self.log.reserve(size) if size >= REWRITE_REFILL_BYTES else None
+            if log_off is None:
+                self.windows.write_close(df.ino)
+                return
+            space = df.rewrite_space = [log_off, log_off + size]
+        stream = df.stream
+        if stream is not None:      # as `prepare_write` asks
+            opened = self.windows.rewrite_window(df.ino, self.log.fd, stream.next_off, True,
+                                                 space[0], space[1])
+        else:
+            opened = self.windows.rewrite_window(df.ino, self.log.fd, df.overlay.end, False,
+                                                 space[0], space[1])
+        if not opened:
+            self.drop_rewrite_space(df)
 
     def fold_written(self, df: DirtyFile, file_off: int, log_off: int, length: int) -> bool:
         """A stream write the fast path answered (its bytes at log_off, in
         the window `open_window` gave): into the overlay and the feed's order
-        as `prepare_write` and `store` put one. False if the stream is not
-        where the window said (the window should have closed: the bytes are
-        in the log, but the file cannot name them)."""
+        as `prepare_write` and `store` put one; a rewrite (its bytes at the
+        rewrite space's next, `open_rewrite_window`): a staged record. False
+        if the stream or the space is not where the window said (the window
+        should have closed: the bytes are in the log, but the file cannot
+        name them)."""
+        space = df.rewrite_space
+        if space is not None and log_off == space[0]:
+            return self._fold_rewritten(df, file_off, log_off, length)
         stream = df.stream
         arena = stream.arena if stream is not None else None
         if stream is None or arena is None or not stream.alive or df.retired \
@@ -333,6 +390,20 @@ class WriteStager:
             stream.ready[plan.ticket] = (plan, LogBytes(log_off + at, n))
         stream.ready_bytes += length
         self._start_feed(df, stream)
+        return True
+
+    def _fold_rewritten(self, df: DirtyFile, file_off: int, log_off: int, length: int) -> bool:
+        """A write the fast path answered from df's rewrite window (its bytes
+        at log_off, the space's next): a staged record of its own in the
+        overlay, as `_put_records` makes one. False if it does not fit."""
+        space = df.rewrite_space
+        if df.retired or space is None or log_off + length > space[1] \
+                or file_off + length > MAX_FILE_BYTES:
+            return False
+        space[0] += length
+        staged = self._new_staged(df, log_off, length, file_off)
+        df.overlay.put(Extent(file_off, length, staged.chunk_no, 0))
+        df.size = max(df.size, file_off + length)
         return True
 
     # ------------------------------------------------------------- a write

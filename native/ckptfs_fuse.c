@@ -150,9 +150,21 @@ static int ahead_fd = -1;           /* readable: a reader wants its next table *
 typedef struct {
     uint64_t ino;                   /* 0: a free slot */
     int fd;
-    uint64_t file_off;              /* where the next WRITE must start */
+    int kind;                       /* FP_WIN_STREAM, or a rewrite window's FP_WIN_* */
+    uint64_t file_off;              /* stream: where the next WRITE must start; rewrite:
+                                     * where the daemon's stream is or would begin */
     uint64_t log_off, log_end;      /* where its bytes go, the space left */
 } fp_window;
+
+/* A stream's window answers the WRITE at file_off only.  A rewrite window
+ * answers a WRITE at any offset except those the daemon would stream:
+ * FP_WIN_BESIDE (the file has a stream, next at file_off) passes on a WRITE
+ * holding the byte at file_off; FP_WIN_BELOW (no stream: one would begin at a
+ * WRITE at or past file_off, the end of what the file's changes cover) passes
+ * on a WRITE starting at or past file_off. */
+#define FP_WIN_STREAM 0
+#define FP_WIN_BESIDE 1
+#define FP_WIN_BELOW 2
 
 static fp_window windows[FP_WRITE_SLOTS];
 static unsigned n_windows;          /* slots in use: 0 skips every look-up */
@@ -878,6 +890,15 @@ int ckptfs_fuse_write_window(uint64_t ino, int log_fd, uint64_t file_off, uint64
     return 0;
 }
 
+int ckptfs_fuse_rewrite_window(uint64_t ino, int log_fd, uint64_t stream_at, int has_stream,
+                               uint64_t log_off, uint64_t log_end)
+{
+    if (ckptfs_fuse_write_window(ino, log_fd, stream_at, log_off, log_end) != 0)
+        return -1;
+    window_of(ino)->kind = has_stream ? FP_WIN_BESIDE : FP_WIN_BELOW;
+    return 0;
+}
+
 void ckptfs_fuse_write_close(uint64_t ino)
 {
     fp_window *w = window_of(ino);
@@ -986,6 +1007,23 @@ static uint64_t log_payload(int fd, const uint8_t *data, uint64_t size, uint64_t
     return done;
 }
 
+/* May w answer a WRITE of size bytes at file offset off (its room aside)? */
+static int in_window(const fp_window *w, uint64_t off, uint64_t size)
+{
+    if (size > UINT64_MAX - off)
+        return 0;
+    switch (w->kind) {
+    case FP_WIN_STREAM:
+        return off == w->file_off;
+    case FP_WIN_BESIDE:
+        return !(off <= w->file_off && w->file_off < off + size);
+    case FP_WIN_BELOW:
+        return off < w->file_off;
+    default:
+        return 0;
+    }
+}
+
 /* Answer a WRITE from its file's write window: 1 answered, 0 for the
  * daemon (no window, not where the window is, does not fit, the pending
  * list full, a kill-suid flag, the log write failed: the daemon writes it
@@ -1003,7 +1041,7 @@ static int answer_write(int fd, const struct fuse_in_header *in, size_t len, siz
     if (w == NULL)
         return 0;
     uint64_t size = wr->size;
-    if (size == 0 || len < sizeof *in + sizeof *wr + size || wr->offset != w->file_off
+    if (size == 0 || len < sizeof *in + sizeof *wr + size || !in_window(w, wr->offset, size)
             || size > w->log_end - w->log_off || n_pending >= FP_PENDING_MAX
             || (wr->write_flags & ~(uint32_t)(FUSE_WRITE_CACHE | FUSE_WRITE_LOCKOWNER)) != 0)
         return 0;
@@ -1063,7 +1101,8 @@ static int answer_write(int fd, const struct fuse_in_header *in, size_t len, siz
     else
         pending[n_pending++] = (ckptfs_fuse_wextent){
             .ino = in->nodeid, .file_off = wr->offset, .log_off = log_off, .length = size};
-    w->file_off += size;
+    if (w->kind == FP_WIN_STREAM)
+        w->file_off += size;
     w->log_off += size;
     if (sent < 0 && e == ENODEV) {
         errno = ENODEV;

@@ -41,7 +41,11 @@
  *    offset that fits is written into the log from the request buffer
  *    (pwrite, GIL released; while a window is open requests come through
  *    a pipe with splice(), and the payload goes on to the log with splice
- *    from it), recorded as a pending extent and answered.
+ *    from it), recorded as a pending extent and answered; and from a
+ *    rewrite window (ckptfs_fuse_rewrite_window: a file rewritten out of
+ *    stream order, log space reserved for its next rewrites) a WRITE at
+ *    any offset but those the daemon would stream, each one's payload
+ *    after the previous one's in that space.
  *    Whenever this module hands control back (before it returns from its
  *    read, with a request for libfuse or none), it calls the daemon's
  *    folder (ckptfs_fuse_write_folder), which takes the pending extents
@@ -203,6 +207,16 @@ int ckptfs_fuse_reply(uint64_t unique, int error, const uint8_t *data, size_t le
  * FP_WRITE_SLOTS files at once: 0 answered, -1 none free or not hooked). */
 int ckptfs_fuse_write_window(uint64_t ino, int log_fd, uint64_t file_off, uint64_t log_off,
                              uint64_t log_end);
+
+/* A rewrite window: WRITEs of ino at any file offset may be answered here
+ * while they fit in log bytes [log_off, log_end) of log_fd, each one's
+ * payload where the previous one's ended, except those the daemon would cut
+ * as a stream: has_stream, a WRITE holding the byte at stream_at (the
+ * stream's next); else a WRITE starting at or past stream_at (where the
+ * file's changes end: a stream would begin there).  Replaces ino's window;
+ * 0, or -1 as ckptfs_fuse_write_window. */
+int ckptfs_fuse_rewrite_window(uint64_t ino, int log_fd, uint64_t stream_at, int has_stream,
+                               uint64_t log_off, uint64_t log_end);
 
 /* No more WRITEs of ino answered here (the pending ones stay to be taken). */
 void ckptfs_fuse_write_close(uint64_t ino);
