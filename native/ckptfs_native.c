@@ -465,19 +465,28 @@ static uint64_t gear_window(const unsigned char *p, size_t j)
  * again byte by byte inside its group of eight.  A cut at a hit means the
  * rest of its round was hashed for nothing: about half a round (8 KiB) per
  * cut beyond avg_size, against 64 KiB chunks. */
-static int gear_vector; /* set by native_init: AVX-512F usable */
+static int gear_vector; /* set by native_init: AVX-512F and AVX-512BW usable */
 
 #define GEAR_LANES 16
 #define GEAR_LANE_BYTES 1024
 #define GEAR_LANE_MIN 256 /* shorter spans: the warm-up would cost more than it saves */
 
-__attribute__((target("avx512f")))
+__attribute__((target("avx512f,avx512bw")))
 static size_t gear_find_avx512(const unsigned char *p, size_t s, size_t n, uint64_t thr,
                                size_t lane_bytes)
 {
     /* Bytes p[s..n), s >= 64: the first j with h(j) < thr, or n. */
-    const __m512i ff = _mm512_set1_epi64(0xff);
     const __m512i t_v = _mm512_set1_epi64((long long)thr);
+    /* pick[k]: byte k of each 64-bit lane moved to its low byte, the other
+     * seven zeroed (pshufb zeroes where the control byte's top bit is set):
+     * the table index of the lane's k-th byte in one shuffle, not a shift and
+     * a mask. */
+    __m512i pick[8];
+    for (int k = 0; k < 8; k++)
+        pick[k] = _mm512_set_epi64(0x8080808080808000LL | (8 + k), 0x8080808080808000LL | k,
+                                   0x8080808080808000LL | (8 + k), 0x8080808080808000LL | k,
+                                   0x8080808080808000LL | (8 + k), 0x8080808080808000LL | k,
+                                   0x8080808080808000LL | (8 + k), 0x8080808080808000LL | k);
     while (n - s >= GEAR_LANES * GEAR_LANE_MIN) {
         size_t b = (n - s) / GEAR_LANES;
         b = b > lane_bytes ? lane_bytes : b & ~(size_t)7;
@@ -495,21 +504,25 @@ static size_t gear_find_avx512(const unsigned char *p, size_t s, size_t n, uint6
             __m512i v1 = _mm512_i64gather_epi64(a1, (const void *)p, 1);
             a0 = _mm512_add_epi64(a0, eight);
             a1 = _mm512_add_epi64(a1, eight);
-            __mmask8 m0 = 0, m1 = 0;
+            /* The smallest hash of each lane over the eight steps: below thr
+             * exactly when one of them is (one min a step, one compare a group). */
+            __m512i lo0 = _mm512_set1_epi64(-1), lo1 = lo0;
 #define GEAR_STEP(k)                                                                  \
             do {                                                                      \
-                __m512i i0 = _mm512_and_si512(_mm512_srli_epi64(v0, 8 * (k)), ff);    \
-                __m512i i1 = _mm512_and_si512(_mm512_srli_epi64(v1, 8 * (k)), ff);    \
+                __m512i i0 = _mm512_shuffle_epi8(v0, pick[k]);                        \
+                __m512i i1 = _mm512_shuffle_epi8(v1, pick[k]);                        \
                 __m512i g0 = _mm512_i64gather_epi64(i0, (const void *)gear, 8);       \
                 __m512i g1 = _mm512_i64gather_epi64(i1, (const void *)gear, 8);       \
                 h0 = _mm512_add_epi64(_mm512_slli_epi64(h0, 1), g0);                  \
                 h1 = _mm512_add_epi64(_mm512_slli_epi64(h1, 1), g1);                  \
-                m0 |= _mm512_cmplt_epu64_mask(h0, t_v);                               \
-                m1 |= _mm512_cmplt_epu64_mask(h1, t_v);                               \
+                lo0 = _mm512_min_epu64(lo0, h0);                                      \
+                lo1 = _mm512_min_epu64(lo1, h1);                                      \
             } while (0)
             GEAR_STEP(0); GEAR_STEP(1); GEAR_STEP(2); GEAR_STEP(3);
             GEAR_STEP(4); GEAR_STEP(5); GEAR_STEP(6); GEAR_STEP(7);
 #undef GEAR_STEP
+            __mmask8 m0 = _mm512_cmplt_epu64_mask(lo0, t_v);
+            __mmask8 m1 = _mm512_cmplt_epu64_mask(lo1, t_v);
             if (__builtin_expect((m0 | m1) != 0, 0) && t >= 64) {
                 uint32_t fresh = ((uint32_t)m0 | (uint32_t)m1 << 8) & ~hit_lanes;
                 hit_lanes |= fresh;
@@ -568,7 +581,8 @@ int ckptfs_gear_vector(int on)
 #if defined(__x86_64__)
     int was = gear_vector;
     if (on >= 0)
-        gear_vector = on && __builtin_cpu_supports("avx512f");
+        gear_vector = on && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw");
     return was;
 #else
     (void)on;
@@ -908,7 +922,7 @@ static void native_init(void)
             flush_kind = FLUSH_CLFLUSHOPT;
     }
     __builtin_cpu_init();
-    gear_vector = __builtin_cpu_supports("avx512f");
+    gear_vector = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
     if (have_hw_crc) {
         make_zeros_table(zeros_long, CRC_LONG);
         make_zeros_table(zeros_short, CRC_SHORT);
