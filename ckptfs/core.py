@@ -19,7 +19,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import trio
 
@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 # What creating a name may add to the index: inode, entry, listing entry.
 NODE_GROWTH_BYTES = 4 * ix.GROWTH_PER_RECORD_BYTES
+
+
+def _no_chunk_watch(chunk_no: int) -> None:
+    pass
 
 
 @dataclass
@@ -196,6 +200,13 @@ class Filesystem:
         size, mtime_ns, ctime_ns = changed
         # Until commit, count the whole new size as data: du may overstate holes.
         return Attrs(inode, size, mtime_ns or inode.mtime_ns, ctime_ns or inode.ctime_ns, size)
+
+    def watch_attrs(self, changed: Callable[[int], None]) -> None:
+        """changed(ino) as each change of an inode's record (or its extents)
+        is made, on the trio thread, before any other request can see it:
+        a cache of attributes outside Python (the adapter's, for the fast
+        path) drops what changed."""
+        self.index.watch_maps(changed, _no_chunk_watch)
 
     def lookup(self, parent: int, name: bytes) -> Attrs:
         inode = self.ns.lookup(parent, name)

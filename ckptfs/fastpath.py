@@ -23,6 +23,9 @@ module returns to the interpreter it calls the daemon's folder
 the same for WRITEs at other offsets of a file rewritten out of order
 (`rewrite_window`: log space reserved for its next rewrites).
 A request it passes on closes the window of the inode it touches first.
+It also answers the one GETATTR of a directory the kernel sends after a
+create in it, with the attributes the adapter left for it (`attr_leave`),
+which the adapter drops (`attr_drop`) as the index changes the inode.
 
 In a process that loaded pyfuse3 first (tests that import the adapter) the
 fast path cannot install itself: `hooked()` stays False and every request
@@ -81,7 +84,7 @@ OPCODES = {
     48: "SETUPMAPPING", 49: "REMOVEMAPPING", 50: "SYNCFS", 51: "TMPFILE", 52: "STATX",
 }
 _N_OPCODES = 64
-_N_COUNTERS = _N_OPCODES + 16
+_N_COUNTERS = _N_OPCODES + 17
 
 
 def want(on: bool = True) -> None:
@@ -119,6 +122,23 @@ def caps_unknown(ino: int) -> None:
     """ino may get security.capability: ask the daemon again. Call before setting it."""
     if lib is not None:
         lib.ckptfs_fuse_caps_unknown(ino)
+
+
+def attr_leave(ino: int, size: int, blocks: int, atime_ns: int, mtime_ns: int, ctime_ns: int,
+               mode: int, nlink: int, uid: int, gid: int, rdev: int, blksize: int,
+               attr_timeout: float) -> None:
+    """The kernel's next GETATTR of ino is answered in C with these attributes
+    (what the adapter's getattr would reply), once. `attr_drop(ino)` must
+    follow every change of them before another request can see it."""
+    if lib is not None:
+        lib.ckptfs_fuse_attr_leave(ino, size, blocks, atime_ns, mtime_ns, ctime_ns, mode,
+                                   nlink, uid, gid, rdev, blksize, attr_timeout)
+
+
+def attr_drop(ino: int) -> None:
+    """ino's attributes changed (or may have): its GETATTR goes to the daemon."""
+    if lib is not None:
+        lib.ckptfs_fuse_attr_drop(ino)
 
 
 _executor_given = False
@@ -403,7 +423,9 @@ def stats() -> dict[str, object]:
     answered in C (of those, READs read on the pool's threads), READs passed
     on and handed back, withdrawals that waited for the pool, and the WRITEs
     answered in C, their bytes, WRITEs of a file with a window passed on, and of
-    those answered, the ones whose payload was spliced into the log. Counted
+    those answered, the ones whose payload was spliced into the log, READs
+    answered from the log's mapping, and the GETATTRs answered with the
+    attributes the daemon left (`attr_leave`). Counted
     only while the fast path is on. Any thread."""
     if lib is None:
         return {"fuse_fastpath": False, "fuse_requests": {}, "fuse_write_bytes": 0,
@@ -415,7 +437,8 @@ def stats() -> dict[str, object]:
                 "fuse_read_handed_back": 0, "fuse_read_withdrawals_waited": 0,
                 "fuse_write_answered_in_c": 0, "fuse_write_bytes_in_c": 0,
                 "fuse_write_passed_on": 0, "fuse_write_spliced": 0,
-                "fuse_read_mapped": 0, "log_faults": _log_faults()}
+                "fuse_read_mapped": 0, "fuse_getattr_answered_in_c": 0,
+                "log_faults": _log_faults()}
     cold = _cold_counters()
     out = ffi.new("uint64_t[]", _N_COUNTERS)
     lib.ckptfs_fuse_counters(out, _N_COUNTERS)
@@ -437,4 +460,5 @@ def stats() -> dict[str, object]:
             "fuse_write_bytes_in_c": int(out[_N_OPCODES + 12]),
             "fuse_write_passed_on": int(out[_N_OPCODES + 13]),
             "fuse_write_spliced": int(out[_N_OPCODES + 14]),
-            "fuse_read_mapped": int(out[_N_OPCODES + 15])}
+            "fuse_read_mapped": int(out[_N_OPCODES + 15]),
+            "fuse_getattr_answered_in_c": int(out[_N_OPCODES + 16])}

@@ -31,6 +31,7 @@ T = TypeVar("T")
 ENTRY_TIMEOUT_S = 300.0
 ATTR_TIMEOUT_S = 300.0
 NEGATIVE_TIMEOUT_S = 30.0
+BLKSIZE = 1 << 20
 
 
 def _errno_edge(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -67,6 +68,13 @@ class CkptfsOperations(pyfuse3.Operations):
         super().__init__()
         self.fs = fs        # or a merged.MergedFilesystem (-o peers=): the same calls
         self.negative_timeout_s = negative_timeout_s
+        # A directory's attributes left for the fast path after a change in it
+        # (_leave_attrs) are dropped as its inode record changes (every change
+        # of the live index is seen by its watchers). Not with a peer view
+        # (merged.py): its directories change from outside.
+        self._attrs_in_c = isinstance(fs, Filesystem) and fastpath.lib is not None
+        if self._attrs_in_c:
+            fs.watch_attrs(fastpath.attr_drop)
 
     # ------------------------------------------------------------- helpers
 
@@ -86,12 +94,27 @@ class CkptfsOperations(pyfuse3.Operations):
         e.st_gid = i.gid
         e.st_rdev = i.rdev
         e.st_size = a.size
-        e.st_blksize = 1 << 20
+        e.st_blksize = BLKSIZE
         e.st_blocks = (a.data_bytes + 511) // 512
         e.st_atime_ns = i.atime_ns
         e.st_mtime_ns = a.mtime_ns
         e.st_ctime_ns = a.ctime_ns
         return e
+
+    def _leave_attrs(self, ino: int) -> None:
+        """The kernel drops a directory's attributes when a name in it is made
+        or removed, and (default_permissions) asks for them before the next
+        one: its next GETATTR is answered in C with what `getattr` would
+        reply now. Call it last in a handler, after every change it makes."""
+        if not self._attrs_in_c:
+            return
+        a = self.fs.attrs(ino)
+        if a.cache_timeout_s is not None:
+            return
+        i = a.inode
+        fastpath.attr_leave(ino, a.size, (a.data_bytes + 511) // 512, i.atime_ns, a.mtime_ns,
+                            a.ctime_ns, i.mode, i.nlink, i.uid, i.gid, i.rdev & 0xFFFFFFFF,
+                            BLKSIZE, ATTR_TIMEOUT_S)
 
     # ------------------------------------------------------------ namespace
 
@@ -148,33 +171,45 @@ class CkptfsOperations(pyfuse3.Operations):
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
         attrs = self.fs.make_node(parent_inode, name, mode, ctx.uid, ctx.gid, rdev=rdev)
         fastpath.caps_absent(attrs.inode.ino)       # new: no xattrs yet
+        self._leave_attrs(parent_inode)
         return self._entry(attrs)
 
     @_errno_edge
     async def mkdir(self, parent_inode, name, mode, ctx):
-        return self._entry(self.fs.make_node(parent_inode, name, (mode & 0o7777) | 0o040000,
-                                             ctx.uid, ctx.gid))
+        entry = self._entry(self.fs.make_node(parent_inode, name, (mode & 0o7777) | 0o040000,
+                                              ctx.uid, ctx.gid))
+        self._leave_attrs(parent_inode)
+        return entry
 
     @_errno_edge
     async def symlink(self, parent_inode, name, target, ctx):
-        return self._entry(self.fs.make_node(parent_inode, name, 0o120777, ctx.uid, ctx.gid,
-                                             target=target))
+        entry = self._entry(self.fs.make_node(parent_inode, name, 0o120777, ctx.uid, ctx.gid,
+                                              target=target))
+        self._leave_attrs(parent_inode)
+        return entry
 
     @_errno_edge
     async def unlink(self, parent_inode, name, ctx):
         self.fs.unlink(parent_inode, name)
+        self._leave_attrs(parent_inode)
 
     @_errno_edge
     async def rmdir(self, parent_inode, name, ctx):
         self.fs.rmdir(parent_inode, name)
+        self._leave_attrs(parent_inode)
 
     @_errno_edge
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        self._leave_attrs(parent_inode_old)
+        if parent_inode_new != parent_inode_old:
+            self._leave_attrs(parent_inode_new)
 
     @_errno_edge
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return self._entry(self.fs.link(inode, new_parent_inode, new_name))
+        entry = self._entry(self.fs.link(inode, new_parent_inode, new_name))
+        self._leave_attrs(new_parent_inode)
+        return entry
 
     # -------------------------------------------------------------- readdir
 
@@ -218,6 +253,7 @@ class CkptfsOperations(pyfuse3.Operations):
     async def create(self, parent_inode, name, mode, flags, ctx):
         fh, attrs = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
         fastpath.caps_absent(attrs.inode.ino)       # new: no xattrs yet
+        self._leave_attrs(parent_inode)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(attrs)
 
     @_errno_edge

@@ -15,6 +15,12 @@
  *    FUSE_HANDLE_KILLPRIV_V2, which the libfuse of Debian 12 cannot), so an
  *    8 KiB writer made one Python round trip per write.  Any other request,
  *    and this one for an inode not marked, goes to libfuse as before;
+ *  - answers the one GETATTR of a directory that follows a change the
+ *    daemon made in it (a CREATE's parent: the kernel drops the directory's
+ *    attributes and, with default_permissions, asks for them before the
+ *    next create there) with the attributes the daemon left for it
+ *    (ckptfs_fuse_attr_leave), which the daemon drops as soon as any of
+ *    them changes (ckptfs_fuse_attr_drop);
  *  - after answering, takes the next request if one is already waiting (the
  *    fd is non-blocking), at most FP_MAX_BURST in a row, so a stream of them
  *    costs one event loop wake-up, not one each.  A read that finds nothing
@@ -100,6 +106,19 @@ void ckptfs_fuse_caps_absent(uint64_t ino);
  * GETXATTR goes to the daemon again.  Call it before the change is made. */
 void ckptfs_fuse_caps_unknown(uint64_t ino);
 
+/* The kernel's next GETATTR of inode ino (a directory the daemon just
+ * changed: a CREATE in it makes the kernel ask for its attributes again)
+ * is answered here with these attributes (what the daemon's getattr would
+ * reply: libfuse's fuse_reply_attr of them), once.  Call
+ * ckptfs_fuse_attr_drop(ino) as any of them changes, before the change is
+ * visible to another request: the answer must never be older than the
+ * daemon's. */
+void ckptfs_fuse_attr_leave(uint64_t ino, uint64_t size, uint64_t blocks, int64_t atime_ns,
+                            int64_t mtime_ns, int64_t ctime_ns, uint32_t mode, uint32_t nlink,
+                            uint32_t uid, uint32_t gid, uint32_t rdev, uint32_t blksize,
+                            double attr_timeout);
+void ckptfs_fuse_attr_drop(uint64_t ino);
+
 /* The read executor's two functions (ckptfs._native: ckptfs_read_extents and
  * ckptfs_hint_extents, as addresses), needed before any read table. */
 void ckptfs_fuse_read_executor(uintptr_t read_extents, uintptr_t hint_extents);
@@ -172,7 +191,9 @@ int ckptfs_fuse_init_replied(void);
  * their bytes, out[77] the WRITEs of an inode with a window that went to
  * the daemon, out[78] the WRITEs answered here whose payload was spliced
  * into the log (see ckptfs_fuse_splice_writes); out[79] the READs answered
- * from the log's mapping (ckptfs_fuse_read_mapper).  n <= 80. */
+ * from the log's mapping (ckptfs_fuse_read_mapper); out[80] the GETATTRs
+ * answered with attributes the daemon left (ckptfs_fuse_attr_leave).
+ * n <= 81. */
 void ckptfs_fuse_counters(uint64_t *out, size_t n);
 
 /* A READ of a published table that missed the page cache goes to the read

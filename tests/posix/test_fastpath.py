@@ -103,3 +103,44 @@ def test_init_asks_for_more_background_requests(make_mount, monkeypatch):
     conn = _connection(m)
     assert (conn / "max_background").read_text().strip() == "12"
     assert (conn / "congestion_threshold").read_text().strip() == "9"
+
+
+def _attrs(st: os.stat_result) -> tuple:
+    return (st.st_ino, st.st_mode, st.st_nlink, st.st_uid, st.st_gid, st.st_size,
+            st.st_blocks, st.st_blksize, st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def test_a_directory_getattr_after_a_create_is_answered_in_c_with_the_daemons_attributes(
+        make_mount, fsck_clean):
+    m = make_mount()
+    d = m.path / "d"
+    d.mkdir()
+    before = m.stat()
+    seen = []
+    for i in range(20):
+        fd = os.open(d / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, b"x" * 4096)
+        os.close(fd)
+        seen.append(_attrs(os.stat(d)))     # the kernel asks: its attributes were dropped
+    after = m.stat()
+    in_c = after["fuse_getattr_answered_in_c"] - before["fuse_getattr_answered_in_c"]
+    asked = after["fuse_requests"]["GETATTR"] - before["fuse_requests"].get("GETATTR", 0)
+    assert in_c >= 20 and asked - in_c <= 2, (asked, in_c)
+    # Each answer was the directory as it was then: a new mtime every create.
+    assert len({s[-2] for s in seen}) == 20
+    # Changes the kernel does not drop the attributes for must drop what the
+    # daemon left: a chmod after a create is seen by the next stat.
+    fd = os.open(d / "g", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    os.close(fd)
+    os.chmod(d, 0o700)
+    os.setxattr(d, "user.k", b"v")
+    assert os.stat(d).st_mode & 0o7777 == 0o700
+    os.unlink(d / "f0")
+    os.rename(d / "f1", m.path / "f1")
+    os.mkdir(d / "sub")
+    last = _attrs(os.stat(d))
+    # What Python answers after a remount (a LOOKUP, then its attributes) is
+    # what C answered.
+    m.remount()
+    assert _attrs(os.stat(d)) == last
+    fsck_clean(m)
