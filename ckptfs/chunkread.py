@@ -49,10 +49,12 @@ READs inside them from that memory without the interpreter. A READ answered
 there past the table's mark (a quarter of the look-ahead past the last
 top-up) wakes `cold_refill` (fastpath.serve_cold_refills), which tops the
 look-ahead up, moves the window on if it would cut the publication short,
-and publishes further: a sequential restore sends no READ here for that;
-then `cold_warm` reads the index pages of the map ahead into memory on a
-worker thread, as `load_ahead` does, so the next refills' window loads do
-not wait for the disk on the trio thread. Each piece keeps
+and publishes further: a sequential restore sends no READ here for that.
+After each refill, and each READ of cold chunks served here (a reader that
+caught up with the fetches sends them), `warm_soon` has the index pages of
+the map as far as the next refills can load read into memory on a worker
+thread, as `load_ahead` does, so those window loads and look-aheads do not
+wait for the disk on the trio thread. Each piece keeps
 a view of its bytes until it is withdrawn (with the window, or trimmed
 behind the reader), so the cache can evict a chunk but not reuse or free
 what C may still read.
@@ -129,6 +131,7 @@ WINDOW_BACK_BYTES = 20 << 20
 NEXT_WINDOW_AT_BYTES = 16 << 20
 AHEAD_WINDOW_BYTES = 64 << 20
 WARM_AHEAD_BYTES = 128 << 20     # the index pages of this much ahead are read in advance
+WARM_STEP_BYTES = 16 << 20       # a cold reader's are read in this much further at once
 MAX_TOUCHED = 4096               # files whose index pages read ahead are remembered
 MAX_WINDOWS = 32                 # files whose windows are kept (least recently read go)
 REPLY_BUFFER_BYTES = 1 << 20     # reused reply buffers: the largest FUSE read
@@ -222,6 +225,7 @@ class ChunkReader:
         # next window's load (dropped when the index changes them).
         self._ahead_records: dict[int, Chunk] = {}
         self._touched_to: dict[int, int] = {}   # ino -> its index pages read ahead up to
+        self._warms: Optional[trio.Nursery] = None      # where warm_soon starts cold_warm
         self._bytes_read = 0
         self._publisher: Optional["ReadPublisher"] = None
         self._windows: dict[int, MapWindow] = {}        # ino -> its window, oldest first
@@ -269,8 +273,10 @@ class ChunkReader:
             self.prefetcher.prefetch(self.cold_ahead(ino, off + size, file_size,
                                                      window if df is None else None),
                                      partial(self._cold_fetched, ino))
-            if df is None and self._publisher is not None:
-                self._publish_cold(window, off, refill=True)
+            if df is None:
+                if self._publisher is not None:
+                    self._publish_cold(window, off, refill=True)
+                self.warm_soon(ino, off + size)
         # The gate keeps uncommitted space it reads from being reused; the
         # epoch, committed space freed meanwhile.
         buf = self._replies.take(length)
@@ -651,19 +657,53 @@ class ChunkReader:
         # sends the READs before it out of order, up to ~18 MiB behind.
         self._publish_cold(window, read_to, refill=True, behind=WINDOW_BACK_BYTES)
 
-    async def cold_warm(self, ino: int, read_to: int) -> None:
-        """After cold_refill (fastpath.serve_cold_refills): the index pages
-        of ino's map and chunk records WARM_AHEAD_BYTES past read_to are read
-        into memory on a worker thread, those not read before, so that the
-        next refills' window loads and look-aheads on the trio thread do not
-        wait for the disk (after a cache drop, each page is a disk read and
-        every READ waits behind it), as load_ahead does for LOG windows."""
+    async def serve_warms(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run the cold readers' warm-aheads (`warm_soon`), each in a task of
+        its own, until cancelled. Without it running, warm_soon does nothing."""
+        async with trio.open_nursery() as nursery:
+            self._warms = nursery
+            try:
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self._warms = None
+
+    def warm_soon(self, ino: int, read_to: int) -> None:
+        """ino's cold reader reached read_to: a READ of cold chunks served
+        here, or a refill of its cold table in C (fastpath.serve_cold_refills).
+        Unless the index pages (extents and chunk records) of the map its
+        next refills can load are in memory already, `cold_warm` reads them
+        in on a worker thread, in a task of its own, so that those window
+        loads and look-aheads on the trio thread do not wait for the disk
+        (after a cache drop each page is a disk read, and every READ waits
+        behind it), as load_ahead does for LOG windows. Both ways matter: a
+        reader that catches up with the fetches has its READs passed on to
+        the daemon, and no refill comes until it falls behind again. Trio
+        thread."""
         window = self._windows.get(ino)
-        if window is None or window.cold_pins is None:
-            return                  # dropped, or not a cold reader in C
+        if self._warms is None or window is None:
+            return
         size = window.file_size
-        await self._touch_index_ahead(ino, max(read_to, window.start),
-                                      min(read_to + WARM_AHEAD_BYTES, size))
+        reach = min(read_to + self._warm_reach(ino), size)
+        if self._touched_to.get(ino, 0) >= reach:
+            return
+        self._warms.start_soon(self.cold_warm, ino, read_to, min(reach + WARM_STEP_BYTES, size))
+
+    def _warm_reach(self, ino: int) -> int:
+        """How far past a cold reader's furthest READ its next refill may
+        load the map: that refill comes at most one look-ahead depth further
+        on (READs past what was published come here), and loads its window
+        up to depth + WINDOW_BYTES past that."""
+        depth = self.prefetcher.depth_for(ino) if self.prefetcher is not None else 0
+        return max(WARM_AHEAD_BYTES, 2 * depth + WINDOW_BYTES)
+
+    async def cold_warm(self, ino: int, read_to: int, warm_to: int) -> None:
+        """The index pages of ino's map from read_to to warm_to (those not
+        read in before) into memory on a worker thread (`warm_soon`)."""
+        window = self._windows.get(ino)
+        if window is None:
+            return                  # dropped: the next READ loads it and asks again
+        await self._touch_index_ahead(ino, max(read_to, window.start), warm_to)
 
     def _cold_fetched(self, ino: int) -> None:
         """The prefetcher fetched cold chunks for ino's reader: publish them."""

@@ -563,6 +563,7 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
         async with trio.open_nursery() as inner:
             await inner.start(control.serve, sock_path, _control_handlers(merged or fs))
             inner.start_soon(_watch_signals)
+            await inner.start(fs.files.reader.serve_warms)
             if not fastpath.hooked():
                 inner.start_soon(trio.to_thread.run_sync, _raise_read_ahead, opts.mountpoint)
             elif ops is not None:
@@ -572,7 +573,7 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
                 inner.start_soon(fastpath.serve_read_ahead, fs.files.reader.load_ahead)
                 # Cold look-aheads topped up for readers answered in C.
                 inner.start_soon(fastpath.serve_cold_refills, fs.files.reader.cold_refill,
-                                 fs.files.reader.cold_warm)
+                                 fs.files.reader.warm_soon)
             if fs.tierer is not None:
                 await inner.start(fs.tierer.run)
             if merged is not None:

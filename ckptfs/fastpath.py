@@ -243,27 +243,25 @@ def cold_mark(ino: int, wake_at: int) -> bool:
 
 
 async def serve_cold_refills(refill: Callable[[int, int], None],
-                             warm: Optional[Callable[[int, int], Awaitable[None]]] = None
-                             ) -> None:
+                             warm: Optional[Callable[[int, int], None]] = None) -> None:
     """refill(ino, end of the furthest READ answered) for each cold reader
     that passed its table's `cold_mark`, on the trio thread; then warm(ino,
-    the same), if given, in a task of its own (what the next refills will
-    need, made ready off the trio thread). Runs until cancelled; returns at
-    once without the fast path."""
+    the same), if given (it starts what the next refills will need, made
+    ready off the trio thread). Runs until cancelled; returns at once
+    without the fast path."""
     if not hooked() or not hasattr(lib, "ckptfs_cold_wake_fd"):
         return
     wake_fd = lib.ckptfs_cold_wake_fd()
     if wake_fd < 0:
         return
     inos, read_to = ffi.new("uint64_t[]", 64), ffi.new("uint64_t[]", 64)
-    async with trio.open_nursery() as nursery:
-        while True:
-            await trio.lowlevel.wait_readable(wake_fd)
-            for k in range(lib.ckptfs_cold_wanted(inos, read_to, 64)):
-                ino, to = int(inos[k]), int(read_to[k])
-                refill(ino, to)
-                if warm is not None:
-                    nursery.start_soon(warm, ino, to)
+    while True:
+        await trio.lowlevel.wait_readable(wake_fd)
+        for k in range(lib.ckptfs_cold_wanted(inos, read_to, 64)):
+            ino, to = int(inos[k]), int(read_to[k])
+            refill(ino, to)
+            if warm is not None:
+                warm(ino, to)
 
 
 def cold_trim(ino: int, below: int) -> None:
