@@ -2024,7 +2024,18 @@ def _merge_layers(sources: list[Iterator[tuple[bytes, Optional[bytes]]]], revers
     pick = max if reverse else min
     while True:
         keys = [h[0] for h in heads if h is not _END]
-        if not keys:
+        if len(keys) <= 1:
+            # One stream left (with no pending batch, LMDB's alone: every
+            # window load of a reader): the rest of it as it comes, without
+            # a merge step per item (that was most of a cold reader's
+            # window loads on the trio thread).
+            for i, head in enumerate(heads):
+                if head is not _END:
+                    if head[1] is not None:
+                        yield head
+                    for item in sources[i]:
+                        if item[1] is not None:
+                            yield item
             return
         key = pick(keys)
         value = _END
