@@ -892,3 +892,41 @@ def test_chunk_feed_releases_the_gil() -> None:
     feeder = native.ChunkFeeder(DEFAULT_MIN_SIZE, DEFAULT_AVG_SIZE, DEFAULT_MAX_SIZE, 64 * 1024)
     data = os.urandom(64 * MIB)
     assert_releases_gil(lambda: feeder.feed(data, []))
+
+
+def test_gear_lanes_match_scalar_at_every_size_and_alignment(gear_lanes) -> None:
+    """Random buffers of many lengths (around the lanes' thresholds: 16 lanes
+    of 256 to 1024 bytes, groups of eight) starting at every alignment of a
+    larger buffer, under random cut rules: the vector scan cuts exactly where
+    the scalar loop does. Whole buffers and streamed in uneven pieces."""
+    r = random.Random(0x5EA4)
+    pool = bytearray(r.randbytes(3 * MIB + 64))
+    # Stretches where the hash hits in bursts (a period divides the window).
+    pool[MIB:MIB + 40_000] = b"\x00\x01" * 20_000
+    pool[2 * MIB:2 * MIB + 30_000] = bytes(30_000)
+    view = memoryview(bytes(pool))
+    lengths = [0, 1, 63, 64, 65, 4095, 4096, 4097, 4103, 4104, 16383, 16384, 16385,
+               16 * 1024 + 8 * 17, 65535, 65536, 65537, 300_001, MIB - 3, 3 * MIB]
+    lengths += [r.randrange(1, 3 * MIB) for _ in range(12)]
+    rules = LANE_SIZES + [SMALL, (8192, 8192, 24576), (256, 4096, 65536), (64, 64, 64)]
+    for n in lengths:
+        for align in (0, 1, 3, 7, 8, 13, 63):
+            if align + n > len(view):
+                continue
+            data = view[align:align + n]
+            sizes = r.choice(rules)
+            gear_lanes(0)
+            scalar = native.gear_cut_points(data, *sizes)
+            gear_lanes(1)
+            assert native.gear_cut_points(data, *sizes) == scalar, (n, align, sizes)
+            if n <= 70_000 and sizes[1] <= 32768:
+                assert scalar == ref_cut_points(bytes(data), *sizes), (n, align, sizes)
+            scanner = native.GearScanner(*sizes)
+            got, pos = [], 0
+            while pos < n:
+                step = r.choice((1, 7, 4096, 4097, 65536, 200_000))
+                got += [pos + c for c in scanner.scan(data[pos:pos + step])]
+                pos += step
+            if scanner.pending:
+                got.append(n)
+            assert got == scalar, (n, align, sizes, "streamed")
