@@ -228,7 +228,7 @@ class FileData:
         A write that fails marks the file: a file that lost a write must not
         commit half of its new content (`commit_error`)."""
         df = self.dirty_file(ino, size)
-        waited = False
+        waited = gave_back = False
         while True:
             try:
                 async with df.writing():
@@ -237,6 +237,11 @@ class FileData:
                         self.index.check_room()
                         plan = self.stager.prepare_write(df, off, len(data))
                     except NoSpace as e:
+                        if not isinstance(e, IndexFull) and not gave_back:
+                            # Open files' unwritten reserves first (once a write).
+                            gave_back = True
+                            if self.stager.give_back_reserves(self.dirty_files.values()):
+                                continue
                         if isinstance(e, IndexFull) or make_room is None or waited:
                             self._lost_write(df, e)
                             raise

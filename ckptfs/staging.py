@@ -57,7 +57,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence, TypeVar, Union
 
 import trio
 
@@ -331,6 +331,35 @@ class WriteStager:
         space, df.rewrite_space = df.rewrite_space, None
         if space is not None and space[1] > space[0]:
             df.give_back(space[0], space[1] - space[0], written=False)
+
+    def give_back_reserves(self, dfs: Iterable[DirtyFile]) -> int:
+        """The log is full: the log space files reserved and have not written
+        goes back (their rewrite windows' space, their streams' arenas past
+        the bytes written); their windows close (a write reserves afresh,
+        as little as the log has then). Returns the bytes given back.
+
+        Without this, open files' reserves (an arena takes up to 1/8 of the
+        free space, a rewrite window 1/16) could refuse a write with ENOSPC
+        while the log held almost no data. Nothing writes into the space
+        given back: the C module folded every WRITE it answered before any
+        Python runs, and a stream's writes in flight lie below its cursor."""
+        freed = 0
+        for df in list(dfs):
+            if self.windows is not None:
+                self.windows.write_close(df.ino)
+            space, df.rewrite_space = df.rewrite_space, None
+            if space is not None and space[1] > space[0]:
+                self.log.release(space[0], space[1] - space[0])
+                freed += space[1] - space[0]
+            stream = df.stream
+            arena = stream.arena if stream is not None else None
+            if arena is not None:
+                unused = arena.log_off + arena.length - stream.cursor
+                if unused > 0 and arena.take(stream.cursor, unused):
+                    arena.length -= unused
+                    self.log.release(stream.cursor, unused)
+                    freed += unused
+        return freed
 
     def open_rewrite_window(self, df: DirtyFile) -> None:
         """After a write out of stream order (a rewrite): the fast path may
