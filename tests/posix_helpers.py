@@ -70,6 +70,15 @@ SYNC_FILE_RANGE_WRITE = 2
 SYNC_FILE_RANGE_WAIT_AFTER = 4
 
 
+def close_after_kill(fd: int) -> None:
+    """Close fd of a file on a mount whose daemon was killed: ENOTCONN is
+    what a dead mount says, and nothing else is expected of it."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def push_to_daemon(fd: int) -> None:
     """Write the fd's dirty pages back to the daemon WITHOUT fsync (no commit), then drop
     the page cache, so that the next read is answered by the daemon's open-file overlay."""

@@ -19,7 +19,8 @@ import random
 
 from ckptfs import control
 
-from posix_helpers import check_clean, pattern, pread_all, push_to_daemon, read_file
+from posix_helpers import (check_clean, close_after_kill, pattern, pread_all,
+                           push_to_daemon, read_file)
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -127,10 +128,7 @@ def test_kill_keeps_what_the_last_fsync_made_durable(make_mount, fsck_clean):
         assert _answered_in_c(m) > before
         m.kill()
     finally:
-        try:
-            os.close(fd)        # the dead mount: ENOTCONN
-        except OSError:
-            pass
+        close_after_kill(fd)
     m.start()
     assert read_file(path) == durable
     check_clean(fsck_clean, m)

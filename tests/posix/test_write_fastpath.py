@@ -21,7 +21,8 @@ import pytest
 
 from ckptfs import control
 
-from posix_helpers import check_clean, drop_pages, pattern, pread_all, push_to_daemon, read_file
+from posix_helpers import (check_clean, close_after_kill, drop_pages, pattern,
+                           pread_all, push_to_daemon, read_file)
 
 MiB = 1 << 20
 
@@ -212,10 +213,7 @@ def test_kill_mid_write_keeps_what_fsync_made_durable(make_mount, fsck_clean):
         assert _answered_in_c(m) > before
         m.kill()
     finally:
-        try:
-            os.close(fd)        # the dead mount: ENOTCONN
-        except OSError:
-            pass
+        close_after_kill(fd)
     m.start()
     assert read_file(path) == first
     check_clean(fsck_clean, m)

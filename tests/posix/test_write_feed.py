@@ -18,7 +18,7 @@ from typing import Optional
 
 import pytest
 
-from posix_helpers import in_thread, pattern, push_to_daemon, read_file
+from posix_helpers import close_after_kill, in_thread, pattern, push_to_daemon, read_file
 
 MiB = 1 << 20
 WAIT_S = 60.0
@@ -114,10 +114,7 @@ def test_crash_while_the_feed_is_behind_keeps_the_fsynced_content(make_mount, mo
     assert not pushed.is_alive() and out == [None], out
     _wait_until(marker.exists, "the chunk feed never ran")
     m.kill()
-    try:
-        os.close(fd)        # the dead mount: ENOTCONN
-    except OSError:
-        pass
+    close_after_kill(fd)
     marker.unlink()
     m.start()
     assert read_file(path) == first
