@@ -7,6 +7,7 @@ the script started. Mounting ckptfs is tools/mounting.py's.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import signal
 import subprocess
@@ -37,6 +38,48 @@ def drop_caches() -> None:
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
+
+
+# A kernel whose virtio balloon reports free pages hands every page freed here back to
+# the host; touching one again costs a host page fault. On this workplace's VMs 3 GiB of
+# fresh anonymous memory is touched at 530-800 MB/s where pages freed a moment before go
+# at 2,800 MB/s, so without a hold a target's figures depend on how much memory the
+# target before it freed (session 10's "slow first ckptfs mount after minfs").
+PAGE_REPORTING_MIN_FREE_MS = Path("/sys/module/page_reporting/parameters/min_free_ms")
+HOLD_MS = 300_000     # five minutes: this kernel refuses 600,000 and more
+
+
+@contextlib.contextmanager
+def freed_memory_kept(pool_bytes: int):
+    """While in the block, keep freed pages in the guest (a page is reported only
+    after five minutes free; a run reuses its pages much sooner) and start from a
+    pool of pool_bytes touched once, so that every target of a run gets pages of
+    the same kind. A no-op (logged) where the kernel has no such knob; the knob's
+    value is put back on the way out. May block for the touch: ~2 s per GiB of
+    memory the host had taken back."""
+    saved: Optional[str] = None
+    try:
+        saved = PAGE_REPORTING_MIN_FREE_MS.read_text().strip()
+        PAGE_REPORTING_MIN_FREE_MS.write_text(str(HOLD_MS))
+    except OSError as e:
+        log(f"free page reporting: no knob to hold freed memory ({e.strerror}); "
+            "figures may depend on what ran before each target")
+        saved = None
+    if saved is None:
+        yield False
+        return
+    try:
+        t0 = time.monotonic()
+        pool = mmap.mmap(-1, pool_bytes)
+        ones = b"\1" * (64 << 20)
+        for _ in range(0, pool_bytes, len(ones)):
+            pool.write(ones[:pool_bytes - pool.tell()])
+        pool.close()
+        log(f"free page reporting held ({PAGE_REPORTING_MIN_FREE_MS} {saved} -> {HOLD_MS} ms); "
+            f"{pool_bytes >> 30} GiB touched in {time.monotonic() - t0:.1f} s")
+        yield True
+    finally:
+        PAGE_REPORTING_MIN_FREE_MS.write_text(saved)
 
 
 def stop_pid(pid: Optional[int]) -> None:
