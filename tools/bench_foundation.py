@@ -160,6 +160,7 @@ METRICS: dict[str, tuple[str, list[tuple[str, float]]]] = {
     "write_8k": ("MB/s", [("bindfs", 2.0)]),
     "randwrite_4k": ("IOPS", [("bindfs", 0.5)]),
     "small_files": ("files/s", [("bindfs", 0.5)]),
+    "small_files_fdatasync": ("files/s", []),     # raw only: fdatasync before each close
     "torch_save": ("MB/s", []),
     "torch_load": ("MB/s", [("raw", 0.8)]),
     "shards8_read": ("MB/s", [("raw", 0.75)]),
@@ -809,6 +810,22 @@ class Bench:
             with open(names[i], "rb") as f:
                 if f.read() != view[i * size:(i + 1) * size]:
                     raise RuntimeError(f"{t.name}: small file {i} reads back wrong")
+        if t.name == "raw":
+            # What this disk allows a file system that flushes at close: the
+            # same files in the plain directory, fdatasync before each close.
+            fd_dir = wd.parent / "small-fdatasync"
+            fd_dir.mkdir()
+            os.sync()
+            t0 = time.perf_counter()
+            for i in range(n):
+                fd = os.open(str(fd_dir / f"f{i:05d}"), flags, 0o644)
+                os.write(fd, view[i * size:(i + 1) * size])
+                os.fdatasync(fd)
+                os.close(fd)
+            d["small_files_fdatasync_s"] = time.perf_counter() - t0
+            log(f"small_files: raw with fdatasync per file {n / d['small_files_fdatasync_s']:,.0f}"
+                " files/s")
+            self.record("small_files_fdatasync", t, n / d["small_files_fdatasync_s"])
         t.finish()
         self.record("small_files", t, n / d["small_files_s"])
         return d
