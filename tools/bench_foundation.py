@@ -27,7 +27,8 @@ Workloads (full sizes; --quick shrinks them):
                 before (untimed), an fsync after every 16: IOPS
   small_files   create + write 4 KiB + close of 5,000 files in one directory (no fsync:
                 what users call; ckptfs sync=close makes every close durable, raw and
-                bindfs do not)
+                bindfs do not); raw also as small_files_fdatasync: the same files with
+                fdatasync before each close, what this disk allows a flushing close
   torch_save    torch.save of a ~1 GB state dict of 32 float32 tensors, as users call
                 it: no fsync (an fsync right after is timed separately, for information)
   torch_load    torch.load(weights_only=True) after unmount, drop caches, remount
