@@ -1161,7 +1161,7 @@ def render_table(table: dict, rss: dict) -> str:
     lines.append("")
     lines.append("every rep (same unit):")
     for metric, row in table.items():
-        lines.append(f"  {metric:<16}" + "  ".join(
+        lines.append(f"  {metric:<16} " + "  ".join(
             f"{t} [{', '.join(fmt(x) for x in row['reps'][t])}]" for t in TARGETS
             if row["reps"].get(t)))
     for metric in ("seq_write", "torch_save"):
