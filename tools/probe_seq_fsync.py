@@ -1,0 +1,106 @@
+"""Sequential write + fsync, dedup on against off (seq11, session 11): per rep, one daemon
+of this checkout per mode (sync=close, pmem_size=6G, SRC = mount point), 2 GiB of
+bench_foundation's kind of data (a 16 MiB random base XORed per 16 MiB) in 1 MiB writes,
+then fsync; the write and the fsync timed apart, and every daemon thread's CPU
+(utime+stime from /proc/PID/task/*/stat) before, between and after.
+
+    cd CHECKOUT && python tools/probe_seq_fsync.py REPS [on|off]
+    PYSPY=/path/prefix  also records the daemon with py-spy (--idle --threads
+                        --nonblocking, 250 Hz, raw) for the whole rep
+    SLEEP=S             waits S seconds between the last write and the fsync
+
+Scratch directories: /var/tmp/seq11/p-on, p-off (removed after each run).
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mounting import Mount  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+PY_SPY = "/work/venvs/speed/bin/py-spy"
+MIB = 1 << 20
+MODES = (("on", ["pmem_size=6G", "sync=close"]),
+         ("off", ["pmem_size=6G", "sync=close", "dedup=off"]))
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of every thread of pid, by thread id."""
+    out = {}
+    for path in glob.glob(f"/proc/{pid}/task/*/stat"):
+        try:
+            with open(path) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue                    # the thread ended meanwhile
+        out[path.split("/")[4]] = (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
+def run(root: str, opts: list[str], gib: int = 2) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    m = Mount(root, root, opts)
+    m.start()
+    try:
+        # bench_foundation's Pool: a 16 MiB random base XORed with a constant per 16 MiB
+        base = np.frombuffer(np.random.default_rng(2).bytes(16 * MIB), dtype=np.uint64)
+        out = np.empty(MIB // 8, dtype=np.uint64)
+        spy = None
+        if os.environ.get("PYSPY"):
+            dest = f"{os.environ['PYSPY']}-{os.path.basename(root)}-{time.time():.0f}.txt"
+            spy = subprocess.Popen([PY_SPY, "record", "-p", str(m.pid), "--idle", "--threads",
+                                    "--nonblocking", "-r", "250", "-f", "raw", "-o", dest],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)
+        c0, t0 = thread_cpu(m.pid), time.monotonic()
+        fd = os.open(f"{root}/f", os.O_WRONLY | os.O_CREAT, 0o644)
+        for i in range(gib * 1024):
+            start = (i % 16) * (MIB // 8)
+            key = np.uint64(((1000 + i // 16) * 0x9E3779B97F4A7C15) & ((1 << 64) - 1))
+            np.bitwise_xor(base[start:start + MIB // 8], key, out=out)
+            os.write(fd, memoryview(out).cast("B"))
+        if os.environ.get("SLEEP"):
+            time.sleep(float(os.environ["SLEEP"]))
+        c1, t1 = thread_cpu(m.pid), time.monotonic()
+        os.fsync(fd)
+        c2, t2 = thread_cpu(m.pid), time.monotonic()
+        os.close(fd)
+        if spy is not None:
+            spy.send_signal(2)
+            spy.wait()
+
+        def total(a: dict, b: dict) -> float:
+            return sum(b.values()) - sum(a.values())
+
+        def trio(a: dict, b: dict) -> float:     # the daemon's main thread runs trio
+            return b.get(str(m.pid), 0.0) - a.get(str(m.pid), 0.0)
+
+        mib = gib * 1024
+        print(f"dedup {'off' if 'dedup=off' in opts else 'on'}: write {mib / (t1 - t0):.0f} MiB/s, "
+              f"fsync {t2 - t1:.3f} s, total {mib / (t2 - t0):.0f} MiB/s; daemon CPU "
+              f"{1000 * total(c0, c2) / mib:.3f} ms/MiB (trio {1000 * trio(c0, c2) / mib:.3f}); "
+              f"the fsync's {total(c1, c2):.3f} s (trio {trio(c1, c2):.3f}); "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
+    finally:
+        m.umount()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    reps = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    only = sys.argv[2] if len(sys.argv) > 2 else None
+    for _ in range(reps):
+        for name, opts in MODES:
+            if only in (None, name):
+                run(f"/var/tmp/seq11/p-{name}", opts)
+
+
+if __name__ == "__main__":
+    main()
