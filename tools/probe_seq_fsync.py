@@ -6,10 +6,11 @@ then fsync; the write and the fsync timed apart, and every daemon thread's CPU
 
     cd CHECKOUT && python tools/probe_seq_fsync.py REPS [on|off]
     PYSPY=/path/prefix  also records the daemon with py-spy (--idle --threads
-                        --nonblocking, 250 Hz, raw) for the whole rep
+                        --nonblocking, 250 Hz, raw) for the whole rep; py-spy from
+                        $PY_SPY or PATH
     SLEEP=S             waits S seconds between the last write and the fsync
-
-Scratch directories: /var/tmp/seq11/p-on, p-off (removed after each run).
+    PROBE_DIR=D         scratch directory (default /var/tmp/probe-seq-fsync): D/p-on,
+                        D/p-off, removed after each run
 """
 import glob
 import os
@@ -24,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mounting import Mount  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
-PY_SPY = "/work/venvs/speed/bin/py-spy"
+PY_SPY = os.environ.get("PY_SPY") or shutil.which("py-spy") or "py-spy"
+SCRATCH = os.environ.get("PROBE_DIR", "/var/tmp/probe-seq-fsync")
 MIB = 1 << 20
 MODES = (("on", ["pmem_size=6G", "sync=close"]),
          ("off", ["pmem_size=6G", "sync=close", "dedup=off"]))
@@ -89,8 +91,11 @@ def run(root: str, opts: list[str], gib: int = 2) -> None:
               f"the fsync's {total(c1, c2):.3f} s (trio {trio(c1, c2):.3f}); "
               f"load {os.getloadavg()[0]:.1f}", flush=True)
     finally:
-        m.umount()
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            m.umount()
+        finally:
+            m.cleanup()                 # a failed unmount leaves no mount or daemon behind
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def main() -> None:
@@ -99,7 +104,7 @@ def main() -> None:
     for _ in range(reps):
         for name, opts in MODES:
             if only in (None, name):
-                run(f"/var/tmp/seq11/p-{name}", opts)
+                run(os.path.join(SCRATCH, f"p-{name}"), opts)
 
 
 if __name__ == "__main__":
