@@ -47,6 +47,41 @@ def drop_caches() -> None:
 # target before it freed (session 10's "slow first ckptfs mount after minfs").
 PAGE_REPORTING_MIN_FREE_MS = Path("/sys/module/page_reporting/parameters/min_free_ms")
 HOLD_MS = 300_000     # five minutes: this kernel refuses 600,000 and more
+# Who holds the knob, so that runs at once (several engineers' benches) put back the
+# value from before the first of them, when the last one ends, and a run killed while
+# holding it does not leave its held value to be taken for the original: {"original":
+# "0", "pids": [...]}, under an flock. /run is emptied at boot, as the knob is reset.
+HOLD_STATE = Path("/run/ckptfs-bench-memory-hold.json")
+
+
+@contextlib.contextmanager
+def _hold_state():
+    """The holders' record, read and written under an exclusive lock."""
+    import fcntl
+    import json
+    with open(HOLD_STATE.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            state = json.loads(HOLD_STATE.read_text())
+        except (OSError, ValueError):
+            state = {}
+        pids = [p for p in state.get("pids", []) if _alive(p)]
+        state["pids"] = pids
+        yield state
+        if state["pids"]:
+            HOLD_STATE.write_text(json.dumps(state))
+        else:
+            HOLD_STATE.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 @contextlib.contextmanager
@@ -54,18 +89,23 @@ def freed_memory_kept(pool_bytes: int):
     """While in the block, keep freed pages in the guest (a page is reported only
     after five minutes free; a run reuses its pages much sooner) and start from a
     pool of pool_bytes touched once, so that every target of a run gets pages of
-    the same kind. A no-op (logged) where the kernel has no such knob; the knob's
-    value is put back on the way out. May block for the touch: ~2 s per GiB of
-    memory the host had taken back."""
-    saved: Optional[str] = None
+    the same kind. A no-op (logged) where the kernel has no such knob. The knob's
+    value from before the first of the runs holding it at once is put back when
+    the last of them ends. May block for the touch: ~2 s per GiB of memory the host
+    had taken back."""
     try:
-        saved = PAGE_REPORTING_MIN_FREE_MS.read_text().strip()
-        PAGE_REPORTING_MIN_FREE_MS.write_text(str(HOLD_MS))
+        with _hold_state() as state:
+            if not state["pids"]:
+                # No live holder: the knob is the system's, or a killed run's held
+                # value whose original the record still has.
+                state["original"] = state.get("original") \
+                    or PAGE_REPORTING_MIN_FREE_MS.read_text().strip()
+            PAGE_REPORTING_MIN_FREE_MS.write_text(str(HOLD_MS))
+            state["pids"].append(os.getpid())
+            original = state["original"]
     except OSError as e:
         log(f"free page reporting: no knob to hold freed memory ({e.strerror}); "
             "figures may depend on what ran before each target")
-        saved = None
-    if saved is None:
         yield False
         return
     try:
@@ -75,11 +115,14 @@ def freed_memory_kept(pool_bytes: int):
         for _ in range(0, pool_bytes, len(ones)):
             pool.write(ones[:pool_bytes - pool.tell()])
         pool.close()
-        log(f"free page reporting held ({PAGE_REPORTING_MIN_FREE_MS} {saved} -> {HOLD_MS} ms); "
-            f"{pool_bytes >> 30} GiB touched in {time.monotonic() - t0:.1f} s")
+        log(f"free page reporting held ({PAGE_REPORTING_MIN_FREE_MS} {original} -> {HOLD_MS} "
+            f"ms); {pool_bytes >> 30} GiB touched in {time.monotonic() - t0:.1f} s")
         yield True
     finally:
-        PAGE_REPORTING_MIN_FREE_MS.write_text(saved)
+        with _hold_state() as state:
+            state["pids"] = [p for p in state["pids"] if p != os.getpid()]
+            if not state["pids"]:
+                PAGE_REPORTING_MIN_FREE_MS.write_text(state.get("original") or original)
 
 
 def stop_pid(pid: Optional[int]) -> None:
