@@ -17,7 +17,7 @@ from typing import Optional
 
 from mounting import REPO
 
-from ckptfs.proc import stop_process
+from ckptfs.proc import process_exited, stop_process
 
 # Child processes find this checkout's ckptfs (and tools/) whatever their cwd.
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -65,23 +65,13 @@ def _hold_state():
             state = json.loads(HOLD_STATE.read_text())
         except (OSError, ValueError):
             state = {}
-        pids = [p for p in state.get("pids", []) if _alive(p)]
+        pids = [p for p in state.get("pids", []) if not process_exited(p)]
         state["pids"] = pids
         yield state
         if state["pids"]:
             HOLD_STATE.write_text(json.dumps(state))
         else:
             HOLD_STATE.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 @contextlib.contextmanager
