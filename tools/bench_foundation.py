@@ -66,8 +66,8 @@ where its CPU time goes.
 
 On a VM whose balloon takes back freed pages (free page reporting: this workplace's),
 a page the host took back costs ~5x to touch again, so a target that runs after one
-that freed a lot of memory pays for it (session 10's slow first ckptfs mount after
-minfs). For the run the tool keeps freed pages in the guest
+that freed a lot of memory pays for it (much of earlier runs' noise; part, not all, of
+the slow first ckptfs mount after minfs). For the run the tool keeps freed pages in the guest
 (/sys/module/page_reporting/parameters/min_free_ms, put back afterwards) and first
 touches a pool as large as a rep uses, so every target gets the same kind of page;
 --no-memory-hold leaves the knob alone.

@@ -7,6 +7,8 @@ the script started. Mounting ckptfs is tools/mounting.py's.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import mmap
 import os
 import signal
@@ -44,7 +46,7 @@ def drop_caches() -> None:
 # the host; touching one again costs a host page fault. On this workplace's VMs 3 GiB of
 # fresh anonymous memory is touched at 530-800 MB/s where pages freed a moment before go
 # at 2,800 MB/s, so without a hold a target's figures depend on how much memory the
-# target before it freed (session 10's "slow first ckptfs mount after minfs").
+# target before it freed (much of earlier sessions' noise; part of session 10's "slot").
 PAGE_REPORTING_MIN_FREE_MS = Path("/sys/module/page_reporting/parameters/min_free_ms")
 HOLD_MS = 300_000     # five minutes: this kernel refuses 600,000 and more
 # Who holds the knob, so that runs at once (several engineers' benches) put back the
@@ -57,16 +59,13 @@ HOLD_STATE = Path("/run/ckptfs-bench-memory-hold.json")
 @contextlib.contextmanager
 def _hold_state():
     """The holders' record, read and written under an exclusive lock."""
-    import fcntl
-    import json
     with open(HOLD_STATE.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             state = json.loads(HOLD_STATE.read_text())
         except (OSError, ValueError):
             state = {}
-        pids = [p for p in state.get("pids", []) if not process_exited(p)]
-        state["pids"] = pids
+        state["pids"] = [p for p in state.get("pids", []) if not process_exited(p)]
         yield state
         if state["pids"]:
             HOLD_STATE.write_text(json.dumps(state))
