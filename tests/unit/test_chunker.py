@@ -8,7 +8,7 @@ import os
 import random
 import struct
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -243,9 +243,12 @@ def test_find4(rng: random.Random) -> None:
 
 
 def test_gear_releases_the_gil() -> None:
-    data = os.urandom(64 * MIB)
-    # tiny min: hashes every byte
-    assert_releases_gil(lambda: native.gear_cut_points(data, 64, 128, 1 << 30))
+    def make_call(scale: int) -> Callable[[], object]:
+        data = os.urandom(64 * MIB * scale)
+        # tiny min: hashes every byte
+        return lambda: native.gear_cut_points(data, 64, 128, 1 << 30)
+
+    assert_releases_gil(make_call)
 
 
 # ---- chunk ids ---------------------------------------------------------------------
@@ -889,9 +892,13 @@ def test_chunk_feed_hashes_in_c_where_the_build_can() -> None:
 
 
 def test_chunk_feed_releases_the_gil() -> None:
-    feeder = native.ChunkFeeder(DEFAULT_MIN_SIZE, DEFAULT_AVG_SIZE, DEFAULT_MAX_SIZE, 64 * 1024)
-    data = os.urandom(64 * MIB)
-    assert_releases_gil(lambda: feeder.feed(data, []))
+    def make_call(scale: int) -> Callable[[], object]:
+        feeder = native.ChunkFeeder(DEFAULT_MIN_SIZE, DEFAULT_AVG_SIZE, DEFAULT_MAX_SIZE,
+                                    64 * 1024)
+        data = os.urandom(64 * MIB * scale)
+        return lambda: feeder.feed(data, [])
+
+    assert_releases_gil(make_call)
 
 
 def test_gear_lanes_match_scalar_at_every_size_and_alignment(gear_lanes) -> None:

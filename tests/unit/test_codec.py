@@ -11,6 +11,7 @@ import os
 import random
 import struct
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -533,19 +534,42 @@ def test_threads_share_nothing() -> None:
 
 
 def test_native_codec_releases_the_gil() -> None:
-    data = bf16(48 * MIB // 2)
-    payload = native.fc_encode(data, 2, 0, 12, len(data))
-    assert payload is not None
-    out = bytearray(len(data))
-    assert_releases_gil(lambda: native.fc_encode(data, 2, 0, 12, len(data)))
-    assert_releases_gil(lambda: native.fc_decode_into(payload, 2, out))
-    assert out == data
     from ckptfs._native import ffi, lib
 
-    # The C call; native.split_planes' copy into a bytes object keeps the GIL.
-    # Width 3 takes the plain byte loop: about 25 ms of CPU over 48 MiB, long
-    # enough for the check (the vectorized widths 2 and 4 take under 10 ms; calls
-    # in a loop would not do, the GIL changes hands between them).
-    with ffi.from_buffer(data) as src, ffi.from_buffer(out, require_writable=True) as dst:
-        assert_releases_gil(lambda: lib.ckptfs_split_planes(src, len(data), 3, dst))
+    def bf16_mib(scale: int) -> bytes:
+        return bf16(48 * MIB // 2 * scale)
+
+    def encode(scale: int) -> Callable[[], object]:
+        data = bf16_mib(scale)
+        return lambda: native.fc_encode(data, 2, 0, 12, len(data))
+
+    decoded: list[tuple[bytes, bytearray]] = []
+
+    def decode(scale: int) -> Callable[[], object]:
+        data = bf16_mib(scale)
+        payload = native.fc_encode(data, 2, 0, 12, len(data))
+        assert payload is not None
+        out = bytearray(len(data))
+        decoded.append((data, out))
+        return lambda: native.fc_decode_into(payload, 2, out)
+
+    def split_planes(scale: int) -> Callable[[], None]:
+        # The C call itself; native.split_planes' copy into a bytes object keeps the
+        # GIL. Width 3 takes the plain byte loop: 19-25 ms of CPU per 48 MiB (the
+        # vectorized widths 2 and 4 take under 10 ms; calls in a loop would not do,
+        # the GIL changes hands between them).
+        data = bf16_mib(scale)
+        out = bytearray(len(data))
+
+        def call() -> None:
+            with ffi.from_buffer(data) as src, \
+                    ffi.from_buffer(out, require_writable=True) as dst:
+                lib.ckptfs_split_planes(src, len(data), 3, dst)
+        return call
+
+    assert_releases_gil(encode)
+    assert_releases_gil(decode)
+    data, out = decoded[-1]
+    assert out == data
+    assert_releases_gil(split_planes)
 

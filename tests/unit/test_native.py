@@ -7,7 +7,7 @@ import os
 import platform
 import random
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -327,13 +327,15 @@ def test_map_log_bad_sizes(tmp_path: Path) -> None:
 
 
 def test_calls_release_the_gil() -> None:
-    data = bytes(64 * MIB)
+    def make_call(scale: int) -> Callable[[], None]:
+        data = bytes(64 * MIB * scale)
 
-    def call() -> None:
-        with ffi.from_buffer(data) as buf:
-            lib.ckptfs_crc32c_sw(0, buf, len(buf))
+        def call() -> None:
+            with ffi.from_buffer(data) as buf:
+                lib.ckptfs_crc32c_sw(0, buf, len(buf))
+        return call
 
-    assert_releases_gil(call)
+    assert_releases_gil(make_call)
 
 
 # ---- open_beneath: reaching files below SOURCE -----------------------------------
@@ -435,6 +437,6 @@ def test_verify_payloads_passes_good_payloads_and_names_the_first_bad(rng) -> No
 @needs_blake3
 def test_verify_payloads_releases_the_gil(rng) -> None:
     span, offs, lens, crcs, ids = _span(rng, [MIB])
-    n = 200                     # the same MiB 200 times: tens of ms of hashing
-    assert_releases_gil(lambda: native.verify_payloads(span, offs * n, lens * n, crcs * n,
-                                                       ids * n))
+    n = 200                     # the same MiB 200 times per scale: tens of ms of hashing
+    assert_releases_gil(lambda scale: lambda: native.verify_payloads(
+        span, offs * n * scale, lens * n * scale, crcs * n * scale, ids * n * scale))
