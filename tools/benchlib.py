@@ -57,20 +57,20 @@ HOLD_STATE = Path("/run/ckptfs-bench-memory-hold.json")
 
 
 @contextlib.contextmanager
-def _hold_state():
+def _hold_state(record: Path = HOLD_STATE):
     """The holders' record, read and written under an exclusive lock."""
-    with open(HOLD_STATE.with_suffix(".lock"), "a") as lock:
+    with open(record.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            state = json.loads(HOLD_STATE.read_text())
+            state = json.loads(record.read_text())
         except (OSError, ValueError):
             state = {}
         state["pids"] = [p for p in state.get("pids", []) if not process_exited(p)]
         yield state
         if state["pids"]:
-            HOLD_STATE.write_text(json.dumps(state))
+            record.write_text(json.dumps(state))
         else:
-            HOLD_STATE.unlink(missing_ok=True)
+            record.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -112,6 +112,71 @@ def freed_memory_kept(pool_bytes: int):
             state["pids"] = [p for p in state["pids"] if p != os.getpid()]
             if not state["pids"]:
                 PAGE_REPORTING_MIN_FREE_MS.write_text(state.get("original") or original)
+
+
+# The same for the disk. A file system mounted with -o discard tells the host about every
+# block a delete frees; on this workplace's VMs the host then lets go of it, and the next
+# write into it goes at ~450-500 MB/s where a block written before takes 1,300-1,600
+# (2 GiB O_DIRECT writes, session 12). Each target deletes gigabytes when it ends (its
+# files, a ckptfs log, minfs's store), and ext4 hands the freed blocks to whoever
+# writes next: the rest of the "slot". The hold remounts the file system nodiscard
+# for the run, so freed blocks stay the host's, after a first write over the space a
+# rep uses.
+DISCARD_HOLD_STATE = "/run/ckptfs-bench-discard-hold-{dev}.json"
+
+
+def _mount_of(path: Path) -> tuple[str, list[str]]:
+    """The mount point holding path and its options (findmnt, util-linux)."""
+    out = subprocess.run(["findmnt", "-n", "-o", "TARGET,OPTIONS", "-T", str(path)],
+                         check=True, capture_output=True, text=True).stdout.split()
+    return out[0], out[1].split(",")
+
+
+@contextlib.contextmanager
+def freed_blocks_kept(scratch: Path, warm_bytes: int):
+    """While in the block, the file system holding scratch (a directory) keeps the
+    blocks deletes free instead of discarding them to the host, and warm_bytes were
+    written once in scratch first so that the space a rep reuses is of one kind. A
+    no-op (logged) where the file system is not mounted with discard. -o discard is
+    put back when the last of the runs holding it at once ends; the blocks freed
+    meanwhile stay allocated on the host until something trims them (`fstrim MOUNT`).
+    May block: writes and deletes warm_bytes (~2 s per GiB the host let go of)."""
+    mount_point, options = _mount_of(scratch)
+    record = Path(DISCARD_HOLD_STATE.format(dev=os.stat(scratch).st_dev))
+    with _hold_state(record) as state:
+        if not state["pids"]:
+            # No live holder: the options are the system's, or a killed run left
+            # nodiscard, which the record still says was discard.
+            state["discard"] = state.get("discard") or "discard" in options
+            if state["discard"]:
+                subprocess.run(["mount", "-o", "remount,nodiscard", mount_point], check=True)
+        if state["discard"]:
+            state["pids"].append(os.getpid())
+    if not state["discard"]:
+        log(f"{mount_point} is not mounted with discard: no discards to hold")
+        yield False
+        return
+    try:
+        t0 = time.monotonic()
+        warm = scratch / f".bench-warm-{os.getpid()}"
+        chunk = os.urandom(64 << 20)        # random: a host that skips zeros allocates nothing
+        fd = os.open(warm, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for off in range(0, warm_bytes, len(chunk)):
+                os.write(fd, chunk[:warm_bytes - off])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            warm.unlink()
+        os.sync()
+        log(f"discards held ({mount_point} remounted nodiscard for the run); "
+            f"{warm_bytes >> 30} GiB written first in {time.monotonic() - t0:.1f} s")
+        yield True
+    finally:
+        with _hold_state(record) as state:
+            state["pids"] = [p for p in state["pids"] if p != os.getpid()]
+            if not state["pids"]:
+                subprocess.run(["mount", "-o", "remount,discard", mount_point], check=True)
 
 
 def stop_pid(pid: Optional[int]) -> None:
