@@ -2204,6 +2204,48 @@ def _log_location(raw: bytes) -> Optional[tuple[int, int, bytes]]:
     return _LOGLOC.unpack_from(raw, _CHUNK_HEAD.size)[0], length, raw[crcs_at:]
 
 
+def extent_store_ids(kv, ino: int) -> Iterator[tuple[int, int, Optional[bytes], int]]:
+    """(file_off, length, chunk id, chunk_off) of every extent of ino in file
+    order, the chunk id the store knows its bytes by (as
+    `snapshots.packed_chunk_id` gives it: a PACK chunk's or a copied LOG
+    chunk's), None for a chunk not in the store or missing. The snapshot
+    walk's loop (snapshots.py), from the records as stored: no Extent or
+    Chunk decoded. FormatError where `iter_extents` or `get_chunk` raise it."""
+    lo, hi = prefix_range(ino)
+    get, key_of = kv._get, _U64.pack
+    for k, v in kv._items("extents", lo, hi):
+        if len(k) == _U64x2.size and len(v) == _EXTENT.size:
+            file_off = _U64x2.unpack(k)[1]
+            chunk_no, chunk_off, length = _EXTENT.unpack(v)
+        else:
+            e = extent_decode(k, v)         # damaged: FormatError
+            file_off, length, chunk_no, chunk_off = e.file_off, e.length, e.chunk_no, \
+                e.chunk_off
+        yield file_off, length, _store_id(chunk_no, get("chunks", key_of(chunk_no))), chunk_off
+
+
+_PACK_FIXED = _CHUNK_HEAD.size + _PACKLOC.size      # a PACK record before its chunk id
+_COPIED_FIXED = _LOG_FIXED + _PACKLOC.size          # a copied LOG record before its CRCs
+_CID_AT = _CHUNK_HEAD.size + _LOGLOC.size           # a LOG record's chunk id
+
+
+def _store_id(chunk_no: int, raw: Optional[bytes]) -> Optional[bytes]:
+    """The store's id of a chunk record's bytes (`extent_store_ids`)."""
+    if raw is None:
+        return None
+    n = len(raw)
+    if n >= _PACK_FIXED:                # long enough for every kind's fixed part but copied
+        kind = raw[0]
+        if kind == CHUNK_LOG:
+            return None
+        if kind == CHUNK_PACK:
+            return raw[_PACK_FIXED:] or None
+        if kind == _LOG_COPIED and n >= _COPIED_FIXED:
+            return raw[_CID_AT:_LOG_FIXED]
+    chunk = Chunk.decode(chunk_no, raw)     # anything else, as get_chunk would
+    return chunk.chunk_id if chunk.in_store and chunk.chunk_id else None
+
+
 def chunk_record_problem(chunk: Chunk) -> Optional[str]:
     """Why this chunk record cannot be one ckptfs wrote, or None.
 

@@ -422,12 +422,20 @@ class Publisher:
             return cached.obj, not cached.store_state
         pager = _Pager(lambda d: self._put(d, result), sf.PAGE_EXTENTS, sf.encode_extent_page)
         complete = True
-        for e in ix.iter_extents(view, inode.ino):
-            chunk = ix.get_chunk(view, e.chunk_no)
-            cid = self.in_store(chunk) if chunk is not None else None
-            complete = complete and cid is not None
-            pager.add(sf.fragment(sf.encode_extent(sf.Extent(e.file_off, e.length, cid,
-                                                             e.chunk_off))))
+        if self.in_store is packed_chunk_id:
+            # The records as stored, no Extent or Chunk decoded (a mount's
+            # first walk does this for every extent, beside the first reads).
+            fragment = sf.extent_fragment
+            for file_off, length, cid, chunk_off in ix.extent_store_ids(view, inode.ino):
+                complete = complete and cid is not None
+                pager.add(fragment(file_off, length, cid, chunk_off))
+        else:
+            for e in ix.iter_extents(view, inode.ino):
+                chunk = ix.get_chunk(view, e.chunk_no)
+                cid = self.in_store(chunk) if chunk is not None else None
+                complete = complete and cid is not None
+                pager.add(sf.fragment(sf.encode_extent(sf.Extent(e.file_off, e.length, cid,
+                                                                 e.chunk_off))))
         parts, pages = pager.finish()
         oid = self._put(sf.encode_file(self._attrs(view, inode), parts, pages), result)
         self._files[inode.ino] = _CachedFile(raw, b"" if complete else self._store_state(view),
