@@ -70,9 +70,11 @@ from __future__ import annotations
 import sys
 from bisect import bisect_left, bisect_right
 from collections import deque
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
+from operator import add
 from typing import TYPE_CHECKING, Optional, Union
 
 import trio
@@ -164,8 +166,11 @@ class MapWindow:
     offs: list[int]                  # each extent's file offset
     chunks: list[Optional[Chunk]]    # None for LOG extents the executor reads
     slow: list[int]                  # slow[k]: extents before k the executor cannot read
-    rows: list[tuple]                # the table's rows (native.ExtentTable), for the next window
+    # The table's rows (native.ExtentTable), for the next window; None when
+    # the table was built in C from the records (`_load_records`).
+    rows: Optional[list[tuple]]
     table: Optional[native.ExtentTable]
+    chunk_nos: Sequence[int]         # each extent's chunk (`_chunk_users`)
     published: bool = False          # the FUSE fast path answers reads inside it
     read_to: int = 0                 # where the last read ended (sequential or not)
     hinted_to: int = 0               # log read-ahead asked for up to this file offset
@@ -182,6 +187,26 @@ class MapWindow:
     def span(self, off: int, end: int) -> tuple[int, int]:
         """Extents [i, j) that overlap [off, end)."""
         return bisect_right(self.ends, off), bisect_left(self.offs, end)
+
+
+class PackedExtents(Sequence):
+    """A window's extents kept as the columns its loader read them in
+    (`_load_records`): an `Extent` is made only when asked for."""
+
+    __slots__ = ("offs", "lens", "chunk_nos", "chunk_offs")
+
+    def __init__(self, offs: Sequence[int], lens: Sequence[int], chunk_nos: Sequence[int],
+                 chunk_offs: Sequence[int]) -> None:
+        self.offs, self.lens, self.chunk_nos, self.chunk_offs = offs, lens, chunk_nos, chunk_offs
+
+    def __len__(self) -> int:
+        return len(self.offs)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [Extent(*t) for t in zip(self.offs[i], self.lens[i], self.chunk_nos[i],
+                                             self.chunk_offs[i])]
+        return Extent(self.offs[i], self.lens[i], self.chunk_nos[i], self.chunk_offs[i])
 
 
 class ReplyBuffers:
@@ -424,6 +449,12 @@ class ChunkReader:
         just before (nothing changed: it is the index's map), with
         reuse.start <= w_start <= reuse.end < w_end; its part past w_start
         is taken from it, not read again. Trio thread."""
+        if not self.log.dax and not self._ahead_records:
+            window = self._load_records(ino, w_start, w_end, file_size)
+            if window is not None:
+                return self._keep_window(window)
+        if reuse is not None and reuse.rows is None:
+            reuse = None                # built in C: read it all again
         extents: list[Extent] = []
         chunks: list[Optional[Chunk]] = []
         slow = [0]
@@ -469,7 +500,34 @@ class ChunkReader:
         fast_any = slow[-1] < len(extents) and not self.log.dax
         window = MapWindow(ino, w_start, w_end, file_size, extents, [e.end for e in extents],
                            [e.file_off for e in extents], chunks, slow, rows,
-                           native.ExtentTable(rows) if fast_any else None)
+                           native.ExtentTable(rows) if fast_any else None,
+                           [e.chunk_no for e in extents])
+        return self._keep_window(window)
+
+    def _load_records(self, ino: int, w_start: int, w_end: int, file_size: int
+                      ) -> Optional[MapWindow]:
+        """`_load_window`'s window when every extent of it is a LOG chunk the
+        executor reads and LMDB alone holds their records (the common case
+        of a committed file): its table built in C from the records as
+        stored, no Python object per extent. None otherwise."""
+        recs = ix.window_records(self.index, ino, w_start, w_end)
+        if recs is None:
+            return None
+        table = native.ExtentTable.from_records(recs.keys, recs.vals, recs.recs, recs.rec_lens,
+                                                recs.count, ix.MAX_CHUNK_BYTES,
+                                                ix.CRC_BLOCK_BYTES)
+        if table is None:
+            return None
+        n = recs.count
+        return MapWindow(ino, w_start, w_end, file_size,
+                         PackedExtents(recs.offs, recs.lens, recs.chunk_nos, recs.chunk_offs),
+                         list(map(add, recs.offs, recs.lens)), recs.offs, [None] * n,
+                         [0] * (n + 1), None, table if n else None, recs.chunk_nos)
+
+    def _keep_window(self, window: MapWindow) -> MapWindow:
+        """Keep and publish a window just loaded."""
+        ino, w_start, w_end, file_size = window.ino, window.start, window.end, window.file_size
+        slow = window.slow
         self._windows[ino] = window
         if self._publisher is not None and window.table is not None and slow[-1] == 0:
             # w_end <= file_size: the fast path never answers past the end.
@@ -481,8 +539,13 @@ class ChunkReader:
                 next_at = None if w_end == file_size else w_start \
                     if ino not in self._touched_to else max(w_start, w_end - NEXT_WINDOW_AT_BYTES)
                 self._publisher.read_marks(ino, next_at, w_end == file_size)
-        for e in extents:
-            self._chunk_users.setdefault(e.chunk_no, set()).add(ino)
+        users = self._chunk_users
+        for chunk_no in window.chunk_nos:
+            inos = users.get(chunk_no)
+            if inos is None:
+                users[chunk_no] = {ino}
+            else:
+                inos.add(ino)
         while len(self._windows) > MAX_WINDOWS:
             self._drop_window(next(iter(self._windows)))
         self.window_loads += 1
@@ -522,12 +585,12 @@ class ChunkReader:
             # Likewise: the pins (the cold bytes' memory) go after the table.
             self._publisher.cold_forget(ino)
             window.cold_pins = None
-        for e in window.extents:
-            users = self._chunk_users.get(e.chunk_no)
+        for chunk_no in window.chunk_nos:
+            users = self._chunk_users.get(chunk_no)
             if users is not None:
                 users.discard(ino)
                 if not users:
-                    del self._chunk_users[e.chunk_no]
+                    del self._chunk_users[chunk_no]
 
     def _extents_changed(self, ino: int) -> None:
         self._touched_to.pop(ino, None)     # its new extents' pages are not read yet

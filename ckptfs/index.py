@@ -181,7 +181,9 @@ import stat
 import struct
 import time
 import uuid as uuidlib
+from array import array
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Iterable, Iterator, Optional
 
 import lmdb
@@ -2589,6 +2591,72 @@ def has_extents(index: "Index", ino: int) -> bool:
     """Whether ino has any extent (the live index only)."""
     lo, hi = prefix_range(ino)
     return index._floor_below("extents", lo, hi) is not None
+
+
+@dataclass(slots=True)
+class WindowRecords:
+    """The committed extents of a stretch of a file and their chunks'
+    records, as LMDB stores them (`window_records`)."""
+    count: int
+    keys: bytes              # count extent keys (16 bytes each), joined
+    vals: bytes              # their values (24 bytes each), joined
+    recs: bytes              # their chunks' records, joined in extent order
+    rec_lens: bytes          # each record's length, native uint32s
+    offs: tuple[int, ...]    # each extent's file offset, length, chunk number
+    lens: tuple[int, ...]    # and chunk offset, as `Extent` has them
+    chunk_nos: tuple[int, ...]
+    chunk_offs: tuple[int, ...]
+
+
+def window_records(index: "Index", ino: int, start: int, end: int) -> Optional[WindowRecords]:
+    """The extents of ino that overlap [start, end) (as `iter_extents`
+    yields them) with their chunk records, read from LMDB with no Python
+    object per extent but its key, value and record: the read windows'
+    loader (chunkread.py), which builds its rows from them in C. None
+    when LMDB alone is not the live map of them: a pending or journaled
+    layer holds an extent of ino or one of their chunks, or a record is
+    missing or not the size of one (the decoding path says what is wrong)."""
+    lo, hi = prefix_range(ino)
+    for layer in index._layers("extents"):
+        if next(iter(layer.irange(lo, hi, inclusive=(True, False))), None) is not None:
+            return None
+    cur = index._rtxn.cursor(index._dbs["extents"])
+    keys: list[bytes] = []
+    vals: list[bytes] = []
+    start_key, end_key = extent_key(ino, start), extent_key(ino, min(end, MAX_OFF_T))
+    if start > 0 and (cur.prev() if cur.set_range(start_key) else cur.last()):
+        # The extent that starts before `start` may still reach into the range.
+        k, v = cur.item()
+        if k >= lo:
+            if len(k) != _U64x2.size or len(v) != _EXTENT.size:
+                return None
+            if _U64x2.unpack(k)[1] + _EXTENT.unpack(v)[2] > start:
+                keys.append(k)
+                vals.append(v)
+    if cur.set_range(start_key):
+        append_k, append_v = keys.append, vals.append
+        for k, v in cur:
+            if k >= end_key:
+                break
+            append_k(k)
+            append_v(v)
+    n = len(keys)
+    kb, vb = b"".join(keys), b"".join(vals)
+    if n and (set(map(len, keys)) != {_U64x2.size} or set(map(len, vals)) != {_EXTENT.size}):
+        return None                     # a damaged record: the decoding path raises
+    ext = struct.unpack(f"<{3 * n}Q", vb)
+    chunk_nos = ext[0::3]
+    chunk_keys = list(map(_U64.pack, chunk_nos))
+    for layer in index._layers("chunks"):
+        if any(map(layer.__contains__, chunk_keys)):
+            return None
+    get = partial(index._rtxn.get, db=index._dbs["chunks"])
+    recs = list(map(get, chunk_keys))
+    if None in recs:
+        return None
+    rec_lens = array("I", map(len, recs)).tobytes()
+    return WindowRecords(n, kb, vb, b"".join(recs), rec_lens,
+                         struct.unpack(f">{2 * n}Q", kb)[1::2], ext[2::3], chunk_nos, ext[1::3])
 
 
 def touch_map(view: "ReadView", ino: int, start: int, end: int) -> int:

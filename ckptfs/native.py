@@ -14,7 +14,7 @@ import mmap
 import os
 import struct
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     if sys.version_info >= (3, 12):
@@ -532,6 +532,35 @@ class ExtentTable:
         self._ext = ffi.from_buffer("ckptfs_rx_extent[]", packed)
         self._n_crcs = at
         self._crcs = ffi.from_buffer("uint8_t[]", b"".join(parts) or b"\0\0\0\0")
+
+    @classmethod
+    def from_records(cls, keys: bytes, vals: bytes, recs: bytes, rec_lens: Buffer, count: int,
+                     max_chunk: int, block_bytes: int) -> Optional["ExtentTable"]:
+        """The table of count extents from their index records as stored
+        (ckptfs_window_rows: keys 16 bytes and values 24 bytes each, joined;
+        their chunk records joined in recs, rec_lens uint32 lengths), the
+        same rows the constructor would be given from the decoded records
+        (the CRCs of a chunk named twice are kept twice). None if any
+        extent is not a LOG chunk the executor reads whole (the caller then
+        decodes them)."""
+        if len(keys) != 16 * count or len(vals) != 24 * count \
+                or len(rec_lens) != 4 * count:
+            raise ValueError("records of another number of extents")
+        self = cls.__new__(cls)
+        packed = bytearray(_RX_EXTENT.size * max(count, 1))
+        crcs = bytearray(max(len(recs), 4))
+        with ffi.from_buffer(rec_lens) as lens, \
+                ffi.from_buffer("ckptfs_rx_extent[]", packed) as rows, \
+                ffi.from_buffer(crcs) as out:
+            n = lib.ckptfs_window_rows(keys, vals, recs, ffi.cast("const uint32_t *", lens),
+                                       count, max_chunk, block_bytes, rows, out, len(out))
+        if n < 0:
+            return None
+        self.count = count
+        self._ext = ffi.from_buffer("ckptfs_rx_extent[]", packed)
+        self._n_crcs = n
+        self._crcs = ffi.from_buffer("uint8_t[]", bytes(crcs[:4 * n]) if n else b"\0\0\0\0")
+        return self
 
     def read_into(self, fd: int, first: int, count: int, block_bytes: int, off: int,
                   out: Buffer, scratch: Buffer, nowait: bool = False

@@ -228,3 +228,79 @@ size_t ckptfs_hint_extents(int fd, const ckptfs_rx_extent *ext, size_t n,
     }
     return calls;
 }
+
+/* ---- a read window's rows from the index's records ---- */
+
+static uint64_t le64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = v << 8 | p[i];
+    return v;
+}
+
+static uint64_t be64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = v << 8 | p[i];
+    return v;
+}
+
+/* index.py's chunk record: kind (u8), refcount (u32), length (u64), then for
+ * LOG chunks the log offset (u64) and the chunk id (32 bytes); a copied one
+ * has its pack location (u64 pack, u64 offset, u32 stored length, u8 codec,
+ * u8 param, u32 CRC) before the CRCs. */
+#define REC_HEAD 13
+#define REC_LOG_FIXED (REC_HEAD + 8 + 32)
+#define REC_PACKLOC 26
+#define REC_KIND_LOG 1
+#define REC_KIND_LOG_COPIED 4
+
+int64_t ckptfs_window_rows(const uint8_t *keys, const uint8_t *vals, const uint8_t *recs,
+                           const uint32_t *rec_lens, size_t n, uint64_t max_chunk,
+                           uint64_t block_bytes, ckptfs_rx_extent *rows, uint8_t *crcs,
+                           size_t crcs_cap)
+{
+    size_t at = 0;          /* bytes of crcs written */
+    if (block_bytes == 0)
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        const uint8_t *rec = recs;
+        size_t len = rec_lens[i];
+        recs += len;
+        if (len < REC_LOG_FIXED)
+            return -1 - (int64_t)i;
+        uint64_t chunk_len = le64(rec + 5);
+        if (chunk_len > max_chunk)
+            return -1 - (int64_t)i;
+        size_t crcs_at;
+        if (rec[0] == REC_KIND_LOG) {
+            crcs_at = REC_LOG_FIXED;
+        } else if (rec[0] == REC_KIND_LOG_COPIED) {
+            crcs_at = REC_LOG_FIXED + REC_PACKLOC;
+            if (len < crcs_at || le32(rec + REC_LOG_FIXED + 16) > chunk_len)
+                return -1 - (int64_t)i;
+        } else {
+            return -1 - (int64_t)i;
+        }
+        uint64_t blocks = chunk_len / block_bytes + (chunk_len % block_bytes != 0);
+        if ((uint64_t)(len - crcs_at) != 4 * blocks)
+            return -1 - (int64_t)i;
+        const uint8_t *v = vals + 24 * i;
+        uint64_t chunk_off = le64(v + 8), length = le64(v + 16);
+        if (chunk_off > chunk_len || length > chunk_len - chunk_off)
+            return -1 - (int64_t)i;
+        if (len - crcs_at > crcs_cap - at)
+            return -1 - (int64_t)i;
+        rows[i].file_off = be64(keys + 16 * i + 8);
+        rows[i].length = length;
+        rows[i].log_off = le64(rec + REC_HEAD);
+        rows[i].chunk_off = chunk_off;
+        rows[i].chunk_len = chunk_len;
+        rows[i].crc_at = at / 4;
+        memcpy(crcs + at, rec + crcs_at, len - crcs_at);
+        at += len - crcs_at;
+    }
+    return (int64_t)(at / 4);
+}

@@ -60,4 +60,21 @@ int ckptfs_read_extents(int fd, const ckptfs_rx_extent *ext, size_t n,
 size_t ckptfs_hint_extents(int fd, const ckptfs_rx_extent *ext, size_t n,
                            uint64_t off, uint64_t len);
 
+/* The rows of a read window (chunkread.py's loader) from the index's
+ * records as stored, with no Python object per extent: n extents (keys:
+ * 16 bytes each, the big-endian inode and file offset; vals: 24 bytes each,
+ * the little-endian chunk number, chunk offset and length) and their
+ * chunks' records (recs: rec_lens[i] bytes for extent i, one after another,
+ * in extent order). A record is read as index.py's _log_location reads it
+ * (kind 1, or 4 with a pack copy whose stored length is at most the chunk's;
+ * a length of at most max_chunk; exactly one CRC per block_bytes block).
+ * Writes n rows (crc_at counting from 0 in crcs) and their CRCs as stored
+ * (at most crcs_cap bytes) and returns how many CRCs; -1 - i if extent i is
+ * not one the executor reads (another kind, a record so rejected, or bytes
+ * past its chunk): the caller then takes the decoding path. */
+int64_t ckptfs_window_rows(const uint8_t *keys, const uint8_t *vals, const uint8_t *recs,
+                           const uint32_t *rec_lens, size_t n, uint64_t max_chunk,
+                           uint64_t block_bytes, ckptfs_rx_extent *rows, uint8_t *crcs,
+                           size_t crcs_cap);
+
 #endif
