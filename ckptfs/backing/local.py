@@ -24,15 +24,17 @@ directories are created as needed and each creation is fsync'ed in its parent.
 Deletes unlink and fsync the directory.
 
 Batches (`batch`: a snapshot's namespace objects): each `put` writes a
-temporary file next to its name and closes it, no fsync; `sync` then fsyncs
-every one of those files (from several threads: the journal commits them
-together), renames each into place, and fsyncs each directory they landed
-in once: two fsyncs per directory and object become one per object plus one
-per directory. The rename follows the file's fsync, so a name never shows
-a torn or empty blob, even after a power loss: a crash before `sync` leaves
-only temporaries (never listed; `remove_incomplete` takes them), one during
-it whole blobs some of which may be visible and not durable, which nothing
-durable names yet (the caller writes what names them after `sync`).
+temporary file next to its name and fsyncs it through the fd that wrote it
+(the caller puts from several threads: the journal commits their fsyncs
+together), and makes a missing directory without an fsync of its parent;
+`sync` then renames each into place and fsyncs, once each, every directory
+they landed in and every parent of a directory the batch made: two fsyncs
+per directory and object become one per object plus one per directory. The
+rename follows the file's fsync, so a name never shows a torn or empty blob,
+even after a power loss: a crash before `sync` leaves only temporaries (never
+listed; `remove_incomplete` takes them), one during it whole blobs some of
+which may be visible and not durable, which nothing durable names yet (the
+caller writes what names them after `sync`).
 
 Create-once (`create_once`: leases, heads): the same complete, fsync'ed
 temporary file, then link(2) to the name instead of rename: link fails with
@@ -57,6 +59,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import mmap
 import os
 import re
@@ -93,6 +96,12 @@ def _fsync_dir(path: str) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def _need_dir(path: str) -> None:
+    """ENOTDIR unless `path` (which exists) is a directory."""
+    if not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
 
 
 def _tmp_name(base: str) -> str:
@@ -842,56 +851,110 @@ class _LocalWriter(BlobWriter):
 
 
 class _LocalBatch(BlobBatch):
-    """Temporary files written now, made durable and renamed together at
-    `sync` (see LocalBackend). `put` from any thread."""
+    """Temporary files written and fsynced now, renamed into place and their
+    directories fsynced together at `sync` (see LocalBackend). `put` from
+    any thread."""
 
     def __init__(self, backend: LocalBackend) -> None:
         self.backend = backend
         self._lock = threading.Lock()
         self._staged: list[tuple[str, str, str]] = []     # (name, temporary, final path)
+        # Parents of the directories this batch made: fsynced by `sync` with
+        # the directories the objects land in (not one fsync per mkdir).
+        self._new_dir_parents: set[str] = set()
+        # Temporary names: one random tag per batch and a counter (16 hex
+        # digits, as `_tmp_name`'s): O_EXCL refuses a clash either way, and
+        # no getrandom(2) per object.
+        self._tmp_tag = secrets.token_hex(4)
+        self._tmp_count = itertools.count()
         self.fsyncs = 0                                    # for stats and tests
 
     def put(self, name: str, data: bytes) -> None:
+        """Write `name`'s temporary file and fsync it on the fd that wrote it
+        (no second open at `sync`). May block."""
         backend = self.backend
         path = backend._path(name)
-        tmp = os.path.join(os.path.dirname(path), _tmp_name(os.path.basename(path)))
+        base = os.path.basename(path)
+        tmp = os.path.join(os.path.dirname(path),
+                           f".{base}{TMP_TAG}{self._tmp_tag}{next(self._tmp_count):08x}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                fd = os.open(tmp, flags, 0o600)
             except FileNotFoundError:
                 backend._verify_marker()        # never recreate a store that vanished
                 if os.path.dirname(name):
-                    backend._makedirs(os.path.dirname(name))   # fsync'ed in their parents
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                    self._makedirs(os.path.dirname(name))
+                fd = os.open(tmp, flags, 0o600)
         except OSError as e:
             if e.errno == errno.ENOTDIR:
                 raise backend._blob_parent(name) from e
             raise backend._os_error(e, "create", name) from e
+        op = "write"
         try:
             mv = memoryview(data)
             while mv:
                 mv = mv[os.write(fd, mv):]
+            op = "commit"
+            os.fsync(fd)        # durable before `sync` gives it its name
         except OSError as e:
             os.close(fd)
             _unlink_quietly(tmp)
-            raise backend._os_error(e, "write", name) from e
-        os.close(fd)
+            raise backend._os_error(e, op, name) from e
+        try:
+            os.close(fd)
+        except OSError as e:    # NFS may report a failed write-back only here
+            _unlink_quietly(tmp)
+            raise backend._os_error(e, "commit", name) from e
         with self._lock:
+            self.fsyncs += 1
             self._staged.append((name, tmp, path))
+
+    def _makedirs(self, rel_dir: str) -> None:
+        """Make `rel_dir` (below the root, which is never made) and whatever
+        of its parents is missing, the deepest tried first: where the parents
+        exist (all but a store's first objects), one mkdir. Each new
+        directory's parent is fsynced by `sync`, before anything names what
+        lands in it. May block."""
+        root = self.backend.root
+        path = os.path.join(root, rel_dir)
+        missing: list[str] = []
+        made: list[str] = []
+        while path != root:
+            try:
+                os.mkdir(path, 0o755)
+            except FileExistsError:
+                _need_dir(path)
+            except FileNotFoundError:
+                missing.append(path)            # its parent first
+                path = os.path.dirname(path)
+                continue
+            else:
+                made.append(path)
+            break
+        for d in reversed(missing):             # top down: each one's parent is there now
+            try:
+                os.mkdir(d, 0o755)
+                made.append(d)
+            except FileExistsError:             # another put made it meanwhile
+                _need_dir(d)
+        with self._lock:
+            self._new_dir_parents.update(os.path.dirname(d) for d in made)
 
     def sync(self) -> None:
         with self._lock:
             staged, self._staged = self._staged, []
+            new_parents, self._new_dir_parents = self._new_dir_parents, set()
         if not staged:
             return
         backend = self.backend
         try:
             backend._verify_marker()
-            self._fsync_all([tmp for _, tmp, _ in staged], "commit")
         except BaseException:
             for _, tmp, _ in staged:
                 _unlink_quietly(tmp)
             raise
+        # Every file was fsynced by its put: a name never shows a torn object.
         for i, (name, tmp, path) in enumerate(staged):
             try:
                 os.rename(tmp, path)
@@ -900,21 +963,14 @@ class _LocalBatch(BlobBatch):
                     _unlink_quietly(rest)
                 raise backend._os_error(e, "commit", name) from e
             backend._forget(name)               # a replaced blob must not be read via an old fd
-        self._fsync_all(sorted({os.path.dirname(p) for _, _, p in staged}), "commit",
-                        directories=True)
+        self._fsync_dirs(sorted({os.path.dirname(p) for _, _, p in staged} | new_parents),
+                         "commit")
 
-    def _fsync_all(self, paths: list[str], op: str, directories: bool = False) -> None:
-        """fsync every path, several at once. May block."""
+    def _fsync_dirs(self, paths: list[str], op: str) -> None:
+        """fsync every directory, several at once. May block."""
         def one(path: str) -> None:
             try:
-                if directories:
-                    _fsync_dir(path)
-                else:
-                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
+                _fsync_dir(path)
             except OSError as e:
                 raise self.backend._os_error(e, op, os.path.relpath(path, self.backend.root)
                                              ) from e

@@ -61,7 +61,7 @@ def test_a_snapshot_syncs_its_objects_together(make_mount, monkeypatch):
     objects_dir = str(vroot / "objects") + "/"
     events: list[tuple[str, str]] = []
     lock = threading.Lock()
-    real_fsync, real_rename, real_link = os.fsync, os.rename, os.link
+    real_fsync, real_rename, real_link, real_mkdir = os.fsync, os.rename, os.link, os.mkdir
 
     def log(kind: str, path) -> None:
         with lock:
@@ -80,6 +80,11 @@ def test_a_snapshot_syncs_its_objects_together(make_mount, monkeypatch):
         real_link(src, dst, **kw)
         log("link", dst)
 
+    def mkdir(path, *a, **kw):
+        real_mkdir(path, *a, **kw)
+        log("mkdir", path)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "link", link)
@@ -113,6 +118,12 @@ def test_a_snapshot_syncs_its_objects_together(make_mount, monkeypatch):
             last_rename[os.path.dirname(p)] = i
     for d, i in last_rename.items():
         assert ("fsync", d) in before_head[i:], f"{d} not fsynced after its last object"
+    # A directory the batch made is named durably in its parent before the head.
+    made = [(i, p) for i, (k, p) in enumerate(before_head) if k == "mkdir"]
+    assert {os.path.dirname(p) for p in renamed} <= {p for _, p in made}
+    for i, d in made:
+        assert ("fsync", os.path.dirname(d)) in before_head[i:], \
+            f"{d} made, its parent not fsynced before the head"
 
 
 KILL_AT_SYNC = r"""
