@@ -73,7 +73,6 @@ KEEP_HEADS = 3          # the newest heads kept (with every object they reach)
 # that a restore elsewhere (recover, a takeover) reading it while this node
 # publishes on finds its objects and packs (docs/STORE.md, "Collection").
 RETENTION_S = 600.0
-WRITE_THREADS = 8       # objects written at once: their fsyncs overlap
 WRITES_IN_FLIGHT = 64   # objects (bytes) held while waiting for a writer
 UNPUBLISHED_LISTED = 4096   # chunks still to copy a head remembers by number (publish.py)
 
@@ -249,9 +248,10 @@ class Publisher:
                     self.objects[oid] = NO_HEAD
         key = (self.volume.gen, seq)
         result = Published(seq, key=key)
+        batch = self.scope.batch()
         with self.index.read_view() as view, ThreadPoolExecutor(
-                WRITE_THREADS, thread_name_prefix="ckptfs snapshot") as pool:
-            self._pool, self._writes, self._batch = pool, deque(), self.scope.batch()
+                batch.put_threads, thread_name_prefix="ckptfs snapshot") as pool:
+            self._pool, self._writes, self._batch = pool, deque(), batch
             try:
                 self._walk(view, result)
                 result.packs_named = set(ix.scan_pack_numbers(view))

@@ -190,6 +190,10 @@ class BlobBatch:
     has nothing left to do. A directory store overrides it (local.py).
     """
 
+    # How many puts a caller should run at once: here each is a request to
+    # the store, and their round trips overlap.
+    put_threads: int = 8
+
     def __init__(self, backend: "Backend") -> None:
         self.backend = backend
 

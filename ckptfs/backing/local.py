@@ -25,8 +25,7 @@ Deletes unlink and fsync the directory.
 
 Batches (`batch`: a snapshot's namespace objects): each `put` writes a
 temporary file next to its name and fsyncs it through the fd that wrote it
-(the caller puts from several threads: the journal commits their fsyncs
-together), and makes a missing directory without an fsync of its parent;
+(callers may put from several threads at once), and makes a missing directory without an fsync of its parent;
 `sync` then renames each into place and fsyncs, once each, every directory
 they landed in and every parent of a directory the batch made: two fsyncs
 per directory and object become one per object plus one per directory. The
@@ -854,6 +853,14 @@ class _LocalBatch(BlobBatch):
     """Temporary files written and fsynced now, renamed into place and their
     directories fsynced together at `sync` (see LocalBackend). `put` from
     any thread."""
+
+    # One: a put takes the GIL back after each of its open, write, fsync and
+    # close; from eight threads at once those returns kept the trio thread
+    # waiting for the GIL through a publish (small files, sync=close: the
+    # writer stalled ~2 s per publish of 2,000 objects; 551-602 files/s
+    # with 8, 694-743 with 1; a publish of 3,000 objects 1.6x longer for the
+    # same CPU: docs/BENCHMARKS.md, session 14, small14).
+    put_threads = 1
 
     def __init__(self, backend: LocalBackend) -> None:
         self.backend = backend

@@ -79,6 +79,7 @@ class _ScopedBatch(BlobBatch):
     def __init__(self, inner: BlobBatch, prefix: str) -> None:
         self.inner = inner
         self.prefix = prefix
+        self.put_threads = inner.put_threads
 
     def put(self, name: str, data: bytes) -> None:
         self.inner.put(self.prefix + validate_name(name), data)
