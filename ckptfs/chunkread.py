@@ -167,7 +167,7 @@ class MapWindow:
     chunks: list[Optional[Chunk]]    # None for LOG extents the executor reads
     slow: list[int]                  # slow[k]: extents before k the executor cannot read
     # The table's rows (native.ExtentTable), for the next window; None when
-    # the table was built in C from the records (`_load_records`).
+    # the window was built from the records as stored (`_load_records`).
     rows: Optional[list[tuple]]
     table: Optional[native.ExtentTable]
     chunk_nos: Sequence[int]         # each extent's chunk (`_chunk_users`)
@@ -449,7 +449,7 @@ class ChunkReader:
         just before (nothing changed: it is the index's map), with
         reuse.start <= w_start <= reuse.end < w_end; its part past w_start
         is taken from it, not read again. Trio thread."""
-        if not self.log.dax and not self._ahead_records:
+        if not self.log.dax:
             window = self._load_records(ino, w_start, w_end, file_size)
             if window is not None:
                 return self._keep_window(window)
@@ -506,23 +506,33 @@ class ChunkReader:
 
     def _load_records(self, ino: int, w_start: int, w_end: int, file_size: int
                       ) -> Optional[MapWindow]:
-        """`_load_window`'s window when every extent of it is a LOG chunk the
-        executor reads and LMDB alone holds their records (the common case
-        of a committed file): its table built in C from the records as
-        stored, no Python object per extent. None otherwise."""
+        """`_load_window`'s window when LMDB alone holds the records of its
+        extents (the common case of a committed file), from those records
+        as stored: every extent a LOG chunk the executor reads, its table
+        built in C, no Python object per extent; none a chunk in the log
+        (a cold file's), its records decoded from them (`ix.window_chunks`),
+        no LMDB lookup or extent decode per extent: a cold reader's window
+        loads run on the trio thread, which answers no READ meanwhile.
+        None otherwise (a mix of both, a damaged record)."""
         recs = ix.window_records(self.index, ino, w_start, w_end)
         if recs is None:
             return None
-        table = native.ExtentTable.from_records(recs.keys, recs.vals, recs.recs, recs.rec_lens,
-                                                recs.count, ix.MAX_CHUNK_BYTES,
-                                                ix.CRC_BLOCK_BYTES)
-        if table is None:
-            return None
         n = recs.count
-        return MapWindow(ino, w_start, w_end, file_size,
-                         PackedExtents(recs.offs, recs.lens, recs.chunk_nos, recs.chunk_offs),
-                         list(map(add, recs.offs, recs.lens)), recs.offs, [None] * n,
-                         [0] * (n + 1), None, table if n else None, recs.chunk_nos)
+        extents = PackedExtents(recs.offs, recs.lens, recs.chunk_nos, recs.chunk_offs)
+        ends = list(map(add, recs.offs, recs.lens))
+        # The C table stops at the first record that is not a LOG chunk's.
+        table = native.ExtentTable.from_records(recs.keys, recs.vals, recs.recs, recs.rec_lens,
+                                                n, ix.MAX_CHUNK_BYTES, ix.CRC_BLOCK_BYTES)
+        if table is not None:
+            return MapWindow(ino, w_start, w_end, file_size, extents, ends, recs.offs,
+                             [None] * n, [0] * (n + 1), None, table if n else None,
+                             recs.chunk_nos)
+        chunks = ix.window_chunks(recs, self._ahead_records)
+        if chunks is None:
+            return None
+        # Every extent slow, as the decoding loader finds them: no table.
+        return MapWindow(ino, w_start, w_end, file_size, extents, ends, recs.offs, chunks,
+                         list(range(n + 1)), None, None, recs.chunk_nos)
 
     def _keep_window(self, window: MapWindow) -> MapWindow:
         """Keep and publish a window just loaded."""

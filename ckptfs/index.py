@@ -193,7 +193,7 @@ from sortedcontainers import SortedDict
 from . import journal as jr
 from .chunker import MAX_CHUNK_BYTES
 from .debugpause import failing_at
-from .errors import DamagedData, FormatError, IndexFailure, IndexFull, ReadOnly
+from .errors import CkptfsError, DamagedData, FormatError, IndexFailure, IndexFull, ReadOnly
 
 log = logging.getLogger(__name__)
 
@@ -2657,6 +2657,37 @@ def window_records(index: "Index", ino: int, start: int, end: int) -> Optional[W
     rec_lens = array("I", map(len, recs)).tobytes()
     return WindowRecords(n, kb, vb, b"".join(recs), rec_lens,
                          struct.unpack(f">{2 * n}Q", kb)[1::2], ext[2::3], chunk_nos, ext[1::3])
+
+
+def window_chunks(recs: WindowRecords, known: dict[int, Chunk]) -> Optional[list[Chunk]]:
+    """The chunk records of `window_records`' extents, decoded from its
+    bytes as `window_chunk` decodes them, for a window none of whose chunks
+    has a log location (a cold file's: packs): the read windows' loader
+    (chunkread.py) builds such a window from them with no LMDB lookup or
+    extent decode per extent. A record in known (decoded ahead from the live
+    index by the cold look-ahead) is taken from there, and removed. None if
+    a record has a log location (the C table or the decoding loader reads
+    those) or is damaged (the decoding loader says what is wrong); known may
+    have lost some entries then."""
+    lens = array("I")
+    lens.frombytes(recs.rec_lens)
+    raw_all = memoryview(recs.recs)
+    out: list[Chunk] = []
+    pos = 0
+    pop = known.pop
+    for chunk_no, n in zip(recs.chunk_nos, lens):
+        raw = bytes(raw_all[pos:pos + n])
+        pos += n
+        if _log_location(raw) is not None:
+            return None
+        chunk = pop(chunk_no, None)
+        if chunk is None:
+            try:
+                chunk = Chunk.decode(chunk_no, raw)
+            except CkptfsError:
+                return None
+        out.append(chunk)
+    return out
 
 
 def touch_map(view: "ReadView", ino: int, start: int, end: int) -> int:
