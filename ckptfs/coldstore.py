@@ -49,7 +49,9 @@ from .index import CHUNK_PACK, Chunk
 log = logging.getLogger(__name__)
 
 PREFETCH_BATCH_BYTES = 1 << 20   # cold chunk bytes per prefetch call
-PREFETCH_THREADS = 4             # fetch threads
+# Fetch threads: 8 keep more pack reads in flight than 4; the reader catches
+# up with the fetches less often, so more READs are answered in C (session 14).
+PREFETCH_THREADS = 8
 # A reader whose last look-ahead is older than this no longer shares the cache.
 READER_IDLE_S = 2.0
 MIN_DEPTH_BYTES = 4 << 20        # the least a reader is read ahead, however many share
