@@ -25,7 +25,8 @@ Deletes unlink and fsync the directory.
 
 Batches (`batch`: a snapshot's namespace objects): each `put` writes a
 temporary file next to its name and fsyncs it through the fd that wrote it
-(callers may put from several threads at once), and makes a missing directory without an fsync of its parent;
+(callers may put from several threads at once), and makes a missing
+directory without an fsync of its parent;
 `sync` then renames each into place and fsyncs, once each, every directory
 they landed in and every parent of a directory the batch made: two fsyncs
 per directory and object become one per object plus one per directory. The
