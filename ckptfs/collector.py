@@ -112,14 +112,20 @@ class Collector:
                     ix.delete_dead_pack(self.index, n)
         return done
 
-    async def collect_garbage_and_publish(self) -> None:
+    async def collect_garbage_and_publish(self, may_defer: bool = False) -> bool:
         """After a pass: packs with no live chunk leave the index (marked dead),
-        then a snapshot, which deletes their blobs."""
+        then a snapshot, which deletes their blobs. may_defer: the snapshot
+        may wait (the caller publishes it later) unless a pack died, whose
+        blob only a snapshot deletes. True when the snapshot was published
+        (or found nothing changed)."""
         died = self.collect_garbage()
         if died and pausing_at("pack-dead"):
             await self.index.wait_durable(self.index.current_seq())
             await pause("pack-dead")
+        if may_defer and not died:
+            return False
         await self.publish()
+        return True
 
     def resume_dead_pack_deletes(self) -> None:
         """Dead packs a crash (or an unpublished snapshot) left: the next

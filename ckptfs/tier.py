@@ -15,7 +15,9 @@ Fenced (another node took the volume over: `fence`): no pass runs, nothing
 is written to or deleted from the store, for the rest of the mount.
 
 When: a pass every `interval_s` once something was committed since the last
-plan (sooner when woken), followed by garbage collection and a snapshot;
+plan (sooner when woken), followed by garbage collection and a snapshot (a
+pass that moved nothing and killed no pack publishes its snapshot once the
+writers pause: `snapshot_may_wait`);
 `ckptfs tier --now` starts one at once (`start_now`, followed by `progress`);
 a writer that finds the log full waits while a pass moves everything
 committed and not open, the newest versions too, until it has room
@@ -29,6 +31,7 @@ Everything here runs on the trio thread and never blocks (the parts offload).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
@@ -49,6 +52,24 @@ from .snapshots import Publisher
 from .tierplan import Planner, TierPolicy, TierSetup
 
 log = logging.getLogger(__name__)
+
+# A background pass that moved nothing publishes its snapshot once no commit
+# came for SNAPSHOT_QUIET_S (the writers paused), at the latest
+# SNAPSHOT_DEFER_MAX_S after it was due: the snapshot's walk and blob writes
+# beside a burst of small files took ~25 % of the writer's rate on 2 cores
+# (docs/BENCHMARKS.md, session 15).
+SNAPSHOT_QUIET_S = 1.0
+SNAPSHOT_DEFER_MAX_S = 30.0
+
+
+def snapshot_may_wait(moved_bytes: int, now: float, last_commit_at: float,
+                      owed_since: Optional[float]) -> bool:
+    """Whether the snapshot after a background pass (or one such a pass left
+    owed since owed_since) may wait for the writers to pause. Not when the
+    pass moved chunks: its snapshot names their packs at once."""
+    if moved_bytes or now - last_commit_at >= SNAPSHOT_QUIET_S:
+        return False
+    return owed_since is None or now - owed_since < SNAPSHOT_DEFER_MAX_S
 
 
 @dataclass
@@ -117,6 +138,9 @@ class Tierer:
         self._planned_seq = -1
         self._nearly_full = False
         self._writers_waiting = 0
+        self._last_commit_at = -math.inf        # a commit with changes became durable
+        self._snapshot_owed_since: Optional[float] = None
+        index.on_durable.append(self._committed)
 
     # ------------------------------------------------------------- the task
 
@@ -157,26 +181,60 @@ class Tierer:
         await self._stopped.wait()
 
     async def _loop(self) -> None:
+        pass_at = time.monotonic() + self.policy.interval_s
         while True:
-            with trio.move_on_after(self.policy.interval_s):
+            wait_s = pass_at - time.monotonic()
+            if self._snapshot_owed_since is not None:
+                wait_s = min(wait_s, SNAPSHOT_QUIET_S)      # look for the writers' pause
+            with trio.move_on_after(max(wait_s, 0.0)):
                 await self._wake.wait()
-            self._wake = trio.Event()
+            woken, self._wake = self._wake.is_set(), trio.Event()
             if self.fenced is not None:
+                pass_at = time.monotonic() + self.policy.interval_s
                 continue            # another node holds the volume, or mounted read-only
+            if not woken and time.monotonic() < pass_at:
+                await self._publish_owed()
+                continue
+            pass_at = time.monotonic() + self.policy.interval_s
             self._watch_log_use()
             if time.monotonic() < self.retry_at and not self._urgent:
                 continue
             if self.index.durable_seq == self._planned_seq and not self._urgent \
                     and self.last_error is None:
+                await self._publish_owed()
                 continue            # nothing committed since the last plan: nothing new is cold
             try:
-                await self.tier_once()
-                await self.collector.collect_garbage_and_publish()
+                moved = await self.tier_once()
+                may_wait = snapshot_may_wait(moved, time.monotonic(), self._last_commit_at,
+                                             self._snapshot_owed_since)
+                if await self.collector.collect_garbage_and_publish(may_defer=may_wait):
+                    self._snapshot_owed_since = None
+                elif self._snapshot_owed_since is None:
+                    self._snapshot_owed_since = time.monotonic()
             except (CkptfsError, OSError) as e:
                 self._failed(e)
             except Exception as e:  # noqa: BLE001 - a bug must not take the mount down
                 log.exception("tiering pass failed unexpectedly")
                 self._failed(e)
+
+    def _committed(self, seq: int, opened_at: float) -> None:
+        self._last_commit_at = time.monotonic()
+
+    async def _publish_owed(self) -> None:
+        """The snapshot a pass left owed, once the writers paused (or it has
+        waited SNAPSHOT_DEFER_MAX_S)."""
+        owed_since = self._snapshot_owed_since
+        if owed_since is None \
+                or snapshot_may_wait(0, time.monotonic(), self._last_commit_at, owed_since):
+            return
+        try:
+            await self.collector.publish()
+            self._snapshot_owed_since = None
+        except (CkptfsError, OSError) as e:
+            self._failed(e)
+        except Exception as e:  # noqa: BLE001 - a bug must not take the mount down
+            log.exception("snapshot publish failed unexpectedly")
+            self._failed(e)
 
     def start_now(self, everything: bool) -> dict:
         """`ckptfs tier --now`: a pass in the background; `progress` follows it."""
@@ -193,6 +251,7 @@ class Tierer:
         try:
             await self.tier_once(everything=everything, progress=progress, wait=True)
             await self.collector.collect_garbage_and_publish()
+            self._snapshot_owed_since = None
         except (CkptfsError, OSError) as e:
             self._failed(e)
             progress.error = str(e)
@@ -412,6 +471,8 @@ class Tierer:
             else self.publisher.last.seq,
             "snapshot_age_s": None if self.publisher is None or self.publisher.last is None
             else round(time.time() - self.publisher.last_time, 1),
+            "snapshot_owed_s": None if self._snapshot_owed_since is None
+            else round(time.monotonic() - self._snapshot_owed_since, 1),
             **(self.publishing.stats() if self.publishing is not None else {}),
             **(self.shared.stats() if self.shared is not None else {}),
         }
