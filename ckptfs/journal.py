@@ -267,19 +267,32 @@ class DurableWriter:
         threads = self._threads
         token = next(self._tokens)
         threads.submit_durable(fd, data, off, token)
-        done: list[tuple[int, int]] = []
-        with trio.CancelScope(shield=True):     # the write runs on: wait for it
-            while not done:
-                await trio.lowlevel.wait_readable(threads.fd)
-                try:
-                    os.read(threads.fd, 8)      # reset the count, then take the job
-                except BlockingIOError:
-                    pass
-                done = threads.reap()
+        try:
+            done = await self._reaped(threads)
+        except trio.Cancelled:
+            # The write runs on: wait for it, shielded, and report it as if
+            # not cancelled (the next checkpoint raises Cancelled again). Only
+            # here: a shielded scope around every wait cost each durable
+            # close two scope changes on the trio thread.
+            with trio.CancelScope(shield=True):
+                done = await self._reaped(threads)
         ((got, result),) = done
         assert got == token, (got, token)
         if result < 0:
             raise OSError(-result, os.strerror(-result))
+
+    @staticmethod
+    async def _reaped(threads: native.WriterThreads) -> list[tuple[int, int]]:
+        """The finished job, once threads' eventfd says there is one."""
+        while True:
+            await trio.lowlevel.wait_readable(threads.fd)
+            try:
+                os.read(threads.fd, 8)          # reset the count, then take the job
+            except BlockingIOError:
+                pass
+            done = threads.reap()
+            if done:
+                return done
 
     def close(self) -> None:
         """Stop the thread (after its write, if any, ended). May block."""
