@@ -197,6 +197,29 @@ int ckptfs_read_extents(int fd, const ckptfs_rx_extent *ext, size_t n,
     return 0;
 }
 
+/* POSIX_FADV_WILLNEED of [at, at + len) in calls of at most HINT_PIECE,
+ * aligned to it.  One call reads at most the file's read-ahead window
+ * (force_page_cache_ra: 8 MiB with this disk's read_ahead_kb), so the rest
+ * of a longer one was never read (the fast path's 16-17 MiB hints read 8),
+ * and its 4 KiB pages fill a disk request only up to max_segments (254:
+ * ~1 MiB); a 2 MiB call is read whole, in ~2 MiB requests. */
+#define HINT_PIECE (2ull << 20)
+
+static size_t advise_pieces(int fd, uint64_t at, uint64_t len)
+{
+    size_t calls = 0;
+    uint64_t end = len > UINT64_MAX - at ? UINT64_MAX : at + len;
+    while (at < end) {
+        uint64_t b = (at / HINT_PIECE + 1) * HINT_PIECE;
+        if (b > end)
+            b = end;
+        posix_fadvise(fd, (off_t)at, (off_t)(b - at), POSIX_FADV_WILLNEED);
+        calls++;
+        at = b;
+    }
+    return calls;
+}
+
 size_t ckptfs_hint_extents(int fd, const ckptfs_rx_extent *ext, size_t n,
                            uint64_t off, uint64_t len)
 {
@@ -215,17 +238,13 @@ size_t ckptfs_hint_extents(int fd, const ckptfs_rx_extent *ext, size_t n,
             run_len += b - a;
             continue;
         }
-        if (run_len) {
-            posix_fadvise(fd, (off_t)run_at, (off_t)run_len, POSIX_FADV_WILLNEED);
-            calls++;
-        }
+        if (run_len)
+            calls += advise_pieces(fd, run_at, run_len);
         run_at = at;
         run_len = b - a;
     }
-    if (run_len) {
-        posix_fadvise(fd, (off_t)run_at, (off_t)run_len, POSIX_FADV_WILLNEED);
-        calls++;
-    }
+    if (run_len)
+        calls += advise_pieces(fd, run_at, run_len);
     return calls;
 }
 

@@ -54,9 +54,10 @@ int ckptfs_read_extents(int fd, const ckptfs_rx_extent *ext, size_t n,
                         uint8_t *scratch, int nowait, ckptfs_rx_error *err);
 
 /* Ask the kernel to read ahead (POSIX_FADV_WILLNEED) the log bytes of file
- * bytes [off, off + len) of the n extents, one call per run contiguous in
- * the log.  Advice only: returns how many calls it made.  May block briefly
- * (page allocation, I/O submission). */
+ * bytes [off, off + len) of the n extents: per run contiguous in the log,
+ * one call per 2 MiB of it (aligned), so that all of it is read.  Advice
+ * only: returns how many calls it made.  May block briefly (page
+ * allocation, I/O submission: ~0.15-0.25 ms per MiB here). */
 size_t ckptfs_hint_extents(int fd, const ckptfs_rx_extent *ext, size_t n,
                            uint64_t off, uint64_t len);
 
