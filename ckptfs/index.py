@@ -239,8 +239,10 @@ FILE_COUNTERS = (b"files", b"file_bytes")
 # that free space (LMDB copies every page it changes, even to delete).
 RESERVE_MIN_BYTES = 4 << 20
 # With the journal: journaled batches wait for their checkpoint in the reserve
-# (`_plan_log_bytes`), so it is larger (preallocated, not written).
-JOURNAL_RESERVE_MIN_BYTES = 32 << 20
+# (`_plan_log_bytes`), so it is larger (preallocated, not written). Each 4 KiB
+# random-write cycle (16 rewrites + fsync) promises ~0.1-1 MiB of it (a page per
+# key, its `logredo` record): 32 MiB took a checkpoint for room every ~10 cycles.
+JOURNAL_RESERVE_MIN_BYTES = 128 << 20
 JOURNAL_RESERVE_DISK_FRACTION = 32    # but no more than this part of a small disk
 RESERVE_MAX_BYTES = 256 << 20
 RESERVE_FRACTION = 8
