@@ -224,9 +224,9 @@ class Tierer:
         """The snapshot a pass left owed, once the writers paused (or it has
         waited SNAPSHOT_DEFER_MAX_S)."""
         owed_since = self._snapshot_owed_since
-        if owed_since is None \
+        if owed_since is None or time.monotonic() < self.retry_at \
                 or snapshot_may_wait(0, time.monotonic(), self._last_commit_at, owed_since):
-            return
+            return      # none owed, backing off after a failure, or the writers busy
         try:
             await self.collector.publish()
             self._snapshot_owed_since = None
