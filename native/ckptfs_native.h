@@ -82,7 +82,9 @@ size_t ckptfs_gear_cuts(ckptfs_gear_state *state, const void *buf, size_t len,
                         size_t *cuts, size_t max_cuts);
 
 /* Whether the scan hashes long spans in 16 lanes with AVX-512 (chosen at load
- * time when the CPU has AVX-512F and BW; the cuts are the same either way).  on: 1
+ * time when the CPU has AVX-512F and BW and the lanes were the faster form in
+ * a timed scan of 256 KiB: their gathers are slow on some CPUs; the cuts are
+ * the same either way).  on: 1
  * to use it when the CPU can, 0 not to, -1 to leave it; returns the setting
  * before.  For tests and benchmarks that compare the two. */
 int ckptfs_gear_vector(int on);

@@ -8,6 +8,8 @@ then fsync; the write and the fsync timed apart, and every daemon thread's CPU
     PYSPY=/path/prefix  also records the daemon with py-spy (--idle --threads
                         --nonblocking, 250 Hz, raw) for the whole rep; py-spy from
                         $PY_SPY or PATH
+    PERTHREAD=1         also prints each daemon thread's CPU (ms/MiB, by name and id)
+                        for the write and for the fsync
     SLEEP=S             waits S seconds between the last write and the fsync
     PROBE_DIR=D         scratch directory (default /var/tmp/probe-seq-fsync): D/p-on,
                         D/p-off, removed after each run
@@ -43,6 +45,24 @@ def thread_cpu(pid: int) -> dict[str, float]:
             continue                    # the thread ended meanwhile
         out[path.split("/")[4]] = (int(fields[11]) + int(fields[12])) / TICK
     return out
+
+
+def thread_names(pid: int) -> dict[str, str]:
+    """The name (comm) of every thread of pid, by thread id."""
+    out = {}
+    for path in glob.glob(f"/proc/{pid}/task/*/comm"):
+        try:
+            with open(path) as f:
+                out[path.split("/")[4]] = f.read().strip()
+        except OSError:
+            continue
+    return out
+
+
+def per_thread(a: dict, b: dict, names: dict, mib: int) -> str:
+    """ms/MiB of CPU per thread between a and b, by name (tid), the busiest first."""
+    rows = sorted(((b[t] - a.get(t, 0.0), t) for t in b), reverse=True)
+    return ", ".join(f"{names.get(t, '?')}[{t}] {1000 * d / mib:.3f}" for d, t in rows if d > 0)
 
 
 def run(root: str, opts: list[str], gib: int = 2) -> None:
@@ -90,6 +110,10 @@ def run(root: str, opts: list[str], gib: int = 2) -> None:
               f"{1000 * total(c0, c2) / mib:.3f} ms/MiB (trio {1000 * trio(c0, c2) / mib:.3f}); "
               f"the fsync's {total(c1, c2):.3f} s (trio {trio(c1, c2):.3f}); "
               f"load {os.getloadavg()[0]:.1f}", flush=True)
+        if os.environ.get("PERTHREAD"):
+            names = thread_names(m.pid)
+            print(f"  write, ms/MiB per thread: {per_thread(c0, c1, names, mib)}")
+            print(f"  fsync, ms/MiB per thread: {per_thread(c1, c2, names, mib)}", flush=True)
     finally:
         try:
             m.umount()
