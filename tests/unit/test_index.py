@@ -108,6 +108,41 @@ def test_batches_commit_in_order_and_become_durable(tmp_path):
     reopened.close()
 
 
+def test_a_batch_of_puts_only_and_one_with_deletes_commit_alike(tmp_path):
+    """A table whose layer holds only puts goes into LMDB in one bulk call
+    (`_apply_layers`); one with deletes key by key. Both end as the model."""
+    committed = {k: f"c{k}".encode() for k in range(0, 400, 2)}
+    index = committed_index(tmp_path, committed)
+    model = dict(committed)
+    rng = random.Random(5)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(index.run_committer, lambda ranges: None, trio.CapacityLimiter(1))
+            # puts only: new keys and overwrites of committed ones
+            for k in rng.sample(range(400), 300):
+                index._put("xattrs", keys(k), f"p{k}".encode())
+                model[k] = f"p{k}".encode()
+            await index.wait_durable(index.current_seq())
+            # puts and deletes in one layer
+            for k in rng.sample(range(400), 200):
+                if k % 3:
+                    index._delete("xattrs", keys(k))
+                    model.pop(k, None)
+                else:
+                    index._put("xattrs", keys(k), f"q{k}".encode())
+                    model[k] = f"q{k}".encode()
+            await index.wait_durable(index.current_seq())
+            index.stop()
+
+    trio.run(main)
+    index.close()
+    reopened = Index(str(tmp_path / "index"))
+    assert list(reopened._items("xattrs", keys(0), keys(400))) == [
+        (keys(k), model[k]) for k in sorted(model)]
+    reopened.close()
+
+
 def test_freed_space_callback_runs_only_after_commit(tmp_path):
     index = Index(str(tmp_path / "index"))
     events: list[str] = []
