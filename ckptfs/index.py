@@ -152,7 +152,8 @@ Journal (journal.py, the record format): once `start_journal` ran (the
 mount), a durable commit is one record appended to INDEX/journal and one
 fdatasync, not an LMDB transaction (two flushes). A journaled batch stays a
 read layer over LMDB (`_journaled`: every journaled batch merged, newest
-value of each key) for the live index and for `read_view`, until a
+value of each key; a batch's changes wait unsorted in `_jpend` until the
+table is read in key order) for the live index and for `read_view`, until a
 checkpoint writes them all, with a batch, in one synced LMDB transaction
 that also puts the journal's new generation (meta `journal`); the journal
 then starts over. Checkpoints: when a record does not fit in the journal,
@@ -182,6 +183,7 @@ import struct
 import time
 import uuid as uuidlib
 from array import array
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterable, Iterator, Optional
@@ -452,12 +454,62 @@ class Chunk:
         raise FormatError(f"chunk {chunk_no}: unknown kind {kind}")
 
 
+class BatchLayer(dict):
+    """A batch's changes to one table: key -> value (None: deleted), with
+    the part of SortedDict's interface the reads use (`irange`,
+    `bisect_left`, `peekitem`). Its keys are sorted the first time a read
+    asks for them in order, then kept sorted as keys are added: a commit's
+    ~150 puts were a SortedDict insert each (a third of them ever read in
+    order: the extents a punch looks up). Trio thread only."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._keys: Optional[list[bytes]] = None
+
+    def __setitem__(self, key: bytes, value: Optional[bytes]) -> None:
+        if self._keys is not None and key not in self:
+            insort(self._keys, key)
+        dict.__setitem__(self, key, value)
+
+    def update(self, items: Iterable[tuple[bytes, Optional[bytes]]]) -> None:  # type: ignore[override]
+        dict.update(self, items)
+        self._keys = None           # sorted again, whole, when next asked
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self._keys = None
+
+    def _sorted(self) -> list[bytes]:
+        keys = self._keys
+        if keys is None:
+            keys = self._keys = sorted(dict.keys(self))
+        return keys
+
+    def bisect_left(self, key: bytes) -> int:
+        return bisect_left(self._sorted(), key)
+
+    def peekitem(self, i: int) -> tuple[bytes, Optional[bytes]]:
+        key = self._sorted()[i]
+        return key, dict.__getitem__(self, key)
+
+    def irange(self, lo: bytes, hi: bytes, inclusive: tuple[bool, bool] = (True, False),
+               reverse: bool = False) -> Iterator[bytes]:
+        """Keys in [lo, hi) (the one bound the reads use), a copy: the
+        layer may change while the caller goes through them."""
+        assert inclusive == (True, False)
+        keys = self._sorted()
+        run = keys[bisect_left(keys, lo):bisect_left(keys, hi)]
+        return reversed(run) if reverse else iter(run)
+
+
 @dataclass
 class Batch:
     """Changes that will be committed together in one LMDB transaction."""
 
     seq: int
-    ops: dict[str, SortedDict] = field(default_factory=dict)
+    ops: dict[str, BatchLayer] = field(default_factory=dict)
     persist_ranges: list[tuple[int, int]] = field(default_factory=list)
     after_durable: list[Callable[[], None]] = field(default_factory=list)
     opened_at: Optional[float] = None      # when its first change arrived
@@ -480,6 +532,9 @@ class Batch:
     journal_promise: int = 0               # reserve its checkpoint may take (`_plan_log_bytes`)
     # Its `logredo` puts and deletes (journaled: merged into the read layer).
     extra_ops: list[tuple[str, bytes, Optional[bytes]]] = field(default_factory=list)
+    # The journaled layer as its worker saw it (`Index._journaled_snapshot`):
+    # what a checkpoint writes first, tables then the changes newer than them.
+    journaled_layers: list[tuple[str, dict]] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not self.ops and not self.after_durable
@@ -510,6 +565,14 @@ class Index:
         self._journal_writer: Optional[jr.DurableWriter] = None     # `_append_small`'s C thread
         self._journaled: dict[str, SortedDict] = {}
         self._journaled_shared: set[str] = set()
+        # Journaled changes newer than the table of their db, not sorted in
+        # yet (`_fold`): a dict.update per batch instead of a sorted insert per
+        # key; a table is sorted only when something reads it in key order
+        # (a commit's punches read `extents`; `chunks`, `chunkids`, `logmap`
+        # mostly go to the checkpoint unsorted). Never shared with a view.
+        self._jpend: dict[str, dict[bytes, Optional[bytes]]] = {}
+        # Keys in the layer; a key both in a table and in its pending changes
+        # counts twice until folded (a bound: a checkpoint comes no later).
         self._journaled_entries = 0
         self._journaled_promised = 0
         # What the journaled batches' checkpoint may take of the reserve
@@ -574,7 +637,7 @@ class Index:
         # (time.monotonic()): the publisher's lag (publish.py).
         self.on_durable: list[Callable[[int, float], None]] = []
         self.counters: dict[bytes, int] = {}
-        self._spare_layers: list[SortedDict] = []     # emptied layers of durable batches
+        self._spare_layers: list[BatchLayer] = []     # emptied layers of durable batches
         self._load_counters()
         self.stalled: Optional[BaseException] = None   # the batch in commit finds no room
         self._promised_total = 0          # admitted growth not yet committed
@@ -997,6 +1060,8 @@ class Index:
             # put older values over that batch's.
             raw = txn.get(b"journal", db=self._dbs["meta"])
             if raw is not None and _JOURNAL_META.unpack(raw)[0] == self._journaled_gen:
+                for db in list(self._jpend):
+                    self._fold(db)          # a view reads one sorted layer a table
                 self._journaled_shared.update(self._journaled)
                 journaled = dict(self._journaled)
         return ReadView(txn, self._dbs, journaled)
@@ -1033,18 +1098,34 @@ class Index:
                 layer = batch.ops.get(db)
                 if layer is not None and key in layer:
                     return layer[key]
+        pend = self._jpend.get(db)
+        if pend is not None and key in pend:
+            return pend[key]
         layer = self._journaled.get(db)
         if layer is not None and key in layer:
             return layer[key]
         return self._rtxn.get(key, db=self._dbs[db])
 
-    def _layers(self, db: str) -> list[SortedDict]:
-        """The pending and journaled layers of db over LMDB, newest first."""
+    def _layers(self, db: str) -> list:
+        """The pending and journaled layers of db over LMDB, newest first,
+        sorted (the journaled changes not sorted in yet are, first)."""
+        if db in self._jpend:
+            self._fold(db)
         layers = [layer for batch in (self._open, self._committing) if batch is not None
                   for layer in (batch.ops.get(db),) if layer]
         layer = self._journaled.get(db)
         if layer:
             layers.append(layer)
+        return layers
+
+    def _lookup_layers(self, db: str) -> list[dict]:
+        """The layers of db over LMDB, newest first, for look-ups by key only
+        (`in`, `[]`): nothing is sorted for them."""
+        layers: list[dict] = [layer for batch in (self._open, self._committing)
+                              if batch is not None for layer in (batch.ops.get(db),) if layer]
+        for layer in (self._jpend.get(db), self._journaled.get(db)):
+            if layer:
+                layers.append(layer)
         return layers
 
     def _items(self, db: str, lo: bytes, hi: bytes, reverse: bool = False
@@ -1198,13 +1279,13 @@ class Index:
         publish.py); what is already in a batch still commits."""
         self.fenced = reason
 
-    def _layer(self, db: str) -> SortedDict:
+    def _layer(self, db: str) -> BatchLayer:
         if self.failure is not None:
             raise ReadOnly(f"index failed earlier ({self.failure}); filesystem is read-only")
         layer = self._open.ops.get(db)
         if layer is None:
             layer = self._open.ops[db] = (self._spare_layers.pop() if self._spare_layers
-                                          else SortedDict())
+                                          else BatchLayer())
             self._note_change()
         return layer
 
@@ -1394,6 +1475,7 @@ class Index:
             # renewed sees them): the layer goes, with the growth it promised.
             self._journaled = {}
             self._journaled_shared.clear()
+            self._jpend = {}
             self._journaled_entries = 0
             self._journaled_gen = batch.checkpoint_generation
             self._promised_total -= self._journaled_promised
@@ -1441,22 +1523,54 @@ class Index:
 
     def _merge_journaled(self, batch: Batch) -> None:
         """A journaled batch's changes into the journaled read layer (trio
-        thread, before it stops being `_committing`). A table a ReadView holds
-        is copied first: views never see a table change."""
+        thread, before it stops being `_committing`): into the pending changes
+        of each table, unsorted (`_fold` sorts them in when the table is read
+        in key order). A rewrite cycle's batch puts ~130 keys in five tables;
+        a SortedDict insert each was ~10 % of the trio thread's time."""
+        pending = self._jpend
         for db, layer in batch.ops.items():
-            table = self._journaled_table(db)
-            if not table:
-                table.update(layer)
-                continue
-            # Key by key (a bisection each for new keys): SortedDict.update
-            # sorts every key of the table again whenever the batch has a
-            # tenth of its keys, which randwrite's batches (130 keys against
-            # a few thousand journaled) had at every other commit.
-            for key, value in dict.items(layer):
-                table[key] = value
+            pend = pending.get(db)
+            if pend is None:
+                pend = pending[db] = {}
+                if db not in self._journaled:
+                    # Never empty while it holds changes: the checkpoints
+                    # and `read_view` ask whether `_journaled` is.
+                    self._journaled[db] = SortedDict()
+            pend.update(dict.items(layer))
         for db, key, value in batch.extra_ops:
-            self._journaled_table(db)[key] = value
-        self._journaled_entries = sum(len(t) for t in self._journaled.values())
+            pend = pending.get(db)
+            if pend is None:
+                pend = pending[db] = {}
+                if db not in self._journaled:
+                    self._journaled[db] = SortedDict()
+            pend[key] = value
+        self._count_journaled()
+
+    def _count_journaled(self) -> None:
+        self._journaled_entries = (sum(map(len, self._journaled.values()))
+                                   + sum(map(len, self._jpend.values())))
+
+    def _fold(self, db: str) -> None:
+        """db's journaled changes sorted into its table (trio thread). A
+        table a ReadView or a checkpoint's worker holds is copied first: they
+        never see a table change."""
+        pend = self._jpend.pop(db, None)
+        if not pend:
+            return
+        table = self._journaled_table(db)
+        # SortedDict.update sorts the table again when the changes are a
+        # tenth of it or more (many batches' worth, folded at once), else
+        # inserts key by key (a batch's extents, folded every commit).
+        table.update(pend)
+        self._count_journaled()
+
+    def _journaled_snapshot(self) -> list[tuple[str, dict]]:
+        """The journaled layer for a worker thread: each table, then the
+        changes newer than it (a checkpoint writes them in that order). The
+        tables are marked shared (a fold meanwhile copies one first); a fold
+        only drops its pending dict, never changes it."""
+        self._journaled_shared.update(self._journaled)
+        return list(self._journaled.items()) + list(self._jpend.items())
 
     def _journaled_table(self, db: str) -> SortedDict:
         table = self._journaled.get(db)
@@ -1494,6 +1608,8 @@ class Index:
             try:
                 if await self._append_small(batch):
                     return None
+                # It may checkpoint: the worker writes what the layer is now.
+                batch.journaled_layers = self._journaled_snapshot()
                 return await trio.to_thread.run_sync(self._write_batch, batch, persist,
                                                      limiter=limiter)
             except IndexFull as e:
@@ -1793,8 +1909,8 @@ class Index:
         try:
             with self.env.begin(write=True) as txn:
                 if journal is not None:
-                    self._apply_layers(txn, self._journaled)
-                self._apply_layers(txn, batch.ops)
+                    self._apply_layers(txn, batch.journaled_layers)
+                self._apply_layers(txn, batch.ops.items())
                 self._apply_ops(txn, extra)
                 if journal is not None:
                     txn.put(b"journal", _JOURNAL_META.pack(generation, journal.next_seq - 1),
@@ -1819,9 +1935,10 @@ class Index:
             self.checkpoint_reasons[why] = self.checkpoint_reasons.get(why, 0) + 1
             self.checkpoint_seconds_total += time.monotonic() - started
 
-    def _apply_layers(self, txn: lmdb.Transaction, layers: dict[str, SortedDict]) -> None:
-        """Each table's puts and deletes (None) into txn. Worker thread."""
-        for db_name, layer in layers.items():
+    def _apply_layers(self, txn: lmdb.Transaction, layers: Iterable[tuple[str, dict]]) -> None:
+        """Each table's puts and deletes (None) into txn, in the order given
+        (a later layer of a table wins). Worker thread."""
+        for db_name, layer in layers:
             db = self._dbs[db_name]
             if None not in dict.values(layer):
                 # Puts only (a big file's new chunks and extents): one C loop,
@@ -2350,7 +2467,7 @@ def chunk_no_finder(index: "Index") -> Callable[[bytes], Optional[int]]:
     """`find_chunk_no` for many ids in one synchronous stretch of the trio
     thread (a write's batch): the pending layers and the read transaction
     looked up once, not per id. Use it before the next await only."""
-    layers = index._layers("chunkids")
+    layers = index._lookup_layers("chunkids")
     rtxn, db = index._rtxn, index._dbs["chunkids"]
 
     def find(chunk_id: bytes) -> Optional[int]:
@@ -2655,7 +2772,7 @@ def window_records(index: "Index", ino: int, start: int, end: int) -> Optional[W
     ext = struct.unpack(f"<{3 * n}Q", vb)
     chunk_nos = ext[0::3]
     chunk_keys = list(map(_U64.pack, chunk_nos))
-    for layer in index._layers("chunks"):
+    for layer in index._lookup_layers("chunks"):
         if any(map(layer.__contains__, chunk_keys)):
             return None
     get = partial(index._rtxn.get, db=index._dbs["chunks"])

@@ -411,18 +411,18 @@ def test_a_batch_carries_only_the_counters_that_changed(tmp_path):
 
 
 def test_durable_batches_layers_are_emptied_and_reused(tmp_path, monkeypatch):
-    """A batch's per-table layers (SortedDicts) are reused, emptied, by the
+    """A batch's per-table layers (BatchLayers) are reused, emptied, by the
     batches after it once it is durable: after the first commits no new one
     is made. What every batch wrote reads back right (pending, durable, after
     a reopen): no key of an earlier batch shows through a reused layer."""
     made: list[int] = []
 
-    class CountedSortedDict(ix.SortedDict):
+    class CountedLayer(ix.BatchLayer):
         def __init__(self, *args, **kw):
             made.append(1)
             super().__init__(*args, **kw)
 
-    monkeypatch.setattr(ix, "SortedDict", CountedSortedDict)
+    monkeypatch.setattr(ix, "BatchLayer", CountedLayer)
     index = Index(str(tmp_path / "index"))
     rng = random.Random(5)
     model: dict[tuple[str, bytes], bytes] = {}
@@ -607,3 +607,129 @@ def test_one_layer_over_lmdb_merges_as_the_k_way_merge_does(tmp_path):
         view.close()
     finally:
         index.close()
+
+
+def test_journaled_batches_wait_unsorted_until_read_in_key_order(tmp_path, monkeypatch):
+    """A journaled batch's changes join the journaled layer with no sorted
+    insert per key (`_merge_journaled`: one dict update a table); a table is
+    sorted when something reads it in key order (`_fold`). Whatever the mix
+    of reads, what reads back is the newest value of every key: by key,
+    in key order both ways, by floor, through a read view taken midway (which
+    never changes after), after the checkpoints the key limit forces (on the
+    worker, of a layer partly unsorted) and after a reopen."""
+    monkeypatch.setattr(ix, "JOURNAL_MAX_ENTRIES", 250)
+    index = Index(str(tmp_path / "index"))
+    index.format(bytes(16), 0, 0, 0)
+    tables = ("xattrs", "symlinks", "orphans")
+    rng = random.Random(11)
+    model: dict[tuple[str, bytes], bytes] = {}
+    sorted_inserts: list[int] = []
+    real_setitem = ix.SortedDict.__setitem__
+
+    def counted_setitem(self, key, value):
+        if merging:
+            sorted_inserts.append(1)
+        real_setitem(self, key, value)
+
+    monkeypatch.setattr(ix.SortedDict, "__setitem__", counted_setitem)
+    merging = False
+    real_merge = index._merge_journaled
+
+    def merge(batch):
+        nonlocal merging
+        merging = True
+        try:
+            real_merge(batch)
+        finally:
+            merging = False
+
+    index._merge_journaled = merge
+
+    def check(view=None, expect=None):
+        kv = view or index
+        expect = model if expect is None else expect
+        for db in tables:
+            want = sorted((k, v) for (d, k), v in expect.items() if d == db)
+            assert [(k, bytes(v)) for k, v in kv._items(db, keys(0), keys(200))] == want
+            assert [(k, bytes(v)) for k, v in kv._items(db, keys(0), keys(200), True)] \
+                == want[::-1]
+            for k in range(0, 200, 7):
+                got = kv._get(db, keys(k))
+                assert (None if got is None else bytes(got)) == expect.get((db, keys(k)))
+        if view is None:
+            below = keys(rng.randrange(1, 200))
+            want = [(k, v) for (d, k), v in sorted(model.items()) if d == "xattrs" and k < below]
+            got = index._floor_below("xattrs", keys(0), below)
+            assert (None if got is None else (got[0], bytes(got[1]))) == \
+                (want[-1] if want else None)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(index.run_committer, lambda ranges: None,
+                               trio.CapacityLimiter(1))
+            assert index.start_journal()
+            view = frozen = None
+            for commit in range(60):
+                for _ in range(rng.randrange(1, 40)):
+                    db = rng.choice(tables)
+                    key = keys(rng.randrange(200))
+                    if rng.random() < 0.25:
+                        index._delete(db, key)
+                        model.pop((db, key), None)
+                    else:
+                        value = rng.randbytes(8)
+                        index._put(db, key, value)
+                        model[(db, key)] = value
+                await index.wait_durable(index.current_seq())
+                if commit % 5 == 4:
+                    check()                 # sorts every table in
+                if commit == 20:
+                    view, frozen = index.read_view(), dict(model)
+                if view is not None and commit % 10 == 0:
+                    check(view, frozen)
+            view.close()
+            index.stop()
+
+    trio.run(main)
+    assert index.checkpoint_reasons.get("keys", 0) >= 2, index.checkpoint_reasons
+    assert index.journal_records_total >= 30
+    assert not sorted_inserts, len(sorted_inserts)
+    index.close()
+    again = Index(str(tmp_path / "index"))
+    for db in tables:
+        assert {k: bytes(v) for k, v in again._items(db, keys(0), keys(200))} == \
+            {k: v for (d, k), v in model.items() if d == db}
+    again.close()
+
+
+def test_a_batch_layer_reads_in_order_as_a_sorted_dict_does():
+    """`BatchLayer` (a dict sorted on the first ordered read, kept sorted by
+    later puts, sorted again after a bulk update) answers `irange` both ways,
+    `bisect_left` and `peekitem` as a SortedDict of the same puts does, with
+    reads and puts interleaved as a commit's punches do them; and an emptied
+    layer (reused by a later batch) holds nothing of before."""
+    rng = random.Random(3)
+    layer, model = ix.BatchLayer(), ix.SortedDict()
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.45:
+            k, v = keys(rng.randrange(400)), rng.choice([None, rng.randbytes(4)])
+            layer[k] = v
+            model[k] = v
+        elif op < 0.5:
+            items = [(keys(rng.randrange(400)), rng.randbytes(4)) for _ in range(rng.randrange(20))]
+            layer.update(items)
+            model.update(items)
+        elif op < 0.51:
+            layer.clear()
+            model.clear()
+        else:
+            lo, hi = sorted((keys(rng.randrange(410)), keys(rng.randrange(410))))
+            for reverse in (False, True):
+                assert list(layer.irange(lo, hi, inclusive=(True, False), reverse=reverse)) == \
+                    list(model.irange(lo, hi, inclusive=(True, False), reverse=reverse))
+            i = layer.bisect_left(lo)
+            assert i == model.bisect_left(lo)
+            if i:
+                assert layer.peekitem(i - 1) == model.peekitem(i - 1)
+        assert dict(layer) == dict(model) and len(layer) == len(model)
