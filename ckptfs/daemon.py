@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import gc
 import logging
 import math
 import os
@@ -458,6 +459,21 @@ def build_merged(state: State, fs: Filesystem) -> Optional["MergedFilesystem"]:
     return MergedFilesystem(fs, view)
 
 
+# Python's cyclic collector runs a young collection per 700 new container
+# objects by default. A big file's commit makes ~7 per new chunk (16 chunks per
+# MiB: records, keys, their tuples) that live until its batch is durable: a
+# 2 GiB fsync ran ~350 young, 32 middle and 2 full collections that found
+# nothing, 69-88 ms of the writer's wait. Requests and commits make little
+# cyclic garbage; one collection per 50,000 objects holds at most a few MB more.
+GC_YOUNG_OBJECTS = 50_000
+
+
+def quiet_collector() -> None:
+    """Set the cyclic collector's young threshold for the daemon's bursts."""
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_OBJECTS, middle, old)
+
+
 def serve(opts: MountOptions, ready_fd: Optional[int] = None) -> int:
     """Run the daemon in this process until unmounted. Returns an exit code.
 
@@ -540,6 +556,7 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
                 # A stream's next WRITEs answered in C, folded in before any Python runs.
                 fastpath.write_folder(lambda extents: fs.files.fold_written(extents, fs.now_ns))
                 fs.files.stager.publish_windows(fastpath)
+        quiet_collector()
         trio.run(_run, fs, opts, ready_fd, sock_path, attempt, metrics, merged, ops)
     except (CkptfsError, OSError) as e:
         log.error("%s", e)
