@@ -104,6 +104,13 @@ class Filesystem:
         self.open_count: dict[int, int] = {}
         self.lookups: dict[int, int] = {}
         self._next_fh = 1
+        # A FLUSH that left its file settled tells this (watch_flushed), and
+        # the RELEASE that follows is answered outside Python (fold_released).
+        self._flushed_settled: Optional[Callable[[int, int], None]] = None
+        # Handles released outside Python whose file changed after all: the
+        # whole release, on serve_owed_releases' task.
+        self._owed_releases: list[int] = []
+        self._owed = trio.Event()
         self.commit_limiter = trio.CapacityLimiter(1)
         self.started_at = time.time()
         self.errors_by_kind: dict[str, int] = {}
@@ -152,6 +159,7 @@ class Filesystem:
 
     async def shutdown(self) -> None:
         """Commit what was closed, purge orphans, mark clean. Committer keeps running."""
+        await self._release_owed()
         for ino in list(self.files.dirty_files):
             try:
                 if self.open_count.get(ino):
@@ -378,8 +386,12 @@ class Filesystem:
         return self.index.current_seq()
 
     async def flush(self, fh: int) -> None:
-        seq = await self._commit(self.handle(fh).ino)
+        ino = self.handle(fh).ino
+        seq = await self._commit(ino)
         await self._wait_per_policy(seq)
+        if self._flushed_settled is not None and self.files.settled(ino):
+            # Its RELEASE has nothing to commit: only the handle's bookkeeping.
+            self._flushed_settled(fh, ino)
 
     async def fsync(self, fh: int) -> None:
         await self._commit(self.handle(fh).ino)
@@ -417,6 +429,58 @@ class Filesystem:
             else:
                 self.open_count.pop(h.ino, None)
                 self._maybe_purge(h.ino)
+
+    def watch_flushed(self, settled: Callable[[int, int], None]) -> None:
+        """settled(fh, ino) as a FLUSH of handle fh returns that left its file
+        with nothing to commit and nothing in flight (on the trio thread,
+        before the FLUSH is answered): its RELEASE, if nothing about the
+        file comes before it, may be answered outside Python and given to
+        `fold_released`."""
+        self._flushed_settled = settled
+
+    def fold_released(self, fhs: list[int]) -> None:
+        """Handles whose RELEASE was answered outside Python (watch_flushed):
+        what `release` does for a file with nothing to commit, at once (the
+        handle, the open count, the last close's end of the stream, an
+        unlinked file's purge). A last close whose file has changes or I/O
+        after all (not expected: any request about the file since its FLUSH
+        keeps its RELEASE in Python) is given the whole `release` on
+        serve_owed_releases' task. Never blocks, never raises for a handle."""
+        for fh in fhs:
+            h = self.handles.get(fh)
+            if h is None:
+                log.error("a RELEASE answered in C names no open handle (%d)", fh)
+                continue
+            left = self.open_count.get(h.ino, 1) - 1
+            if left <= 0 and not self.files.settled(h.ino):
+                self._owed_releases.append(fh)
+                self._owed.set()
+                continue
+            del self.handles[fh]
+            if left > 0:
+                self.open_count[h.ino] = left
+                continue
+            self.open_count.pop(h.ino, None)
+            try:
+                self.files.last_close(h.ino)
+                self._maybe_purge(h.ino)
+            except Exception:  # noqa: BLE001 - a fold must not raise; release would say EIO
+                log.exception("release of inode %d (answered in C) failed", h.ino)
+
+    async def serve_owed_releases(self) -> None:
+        """The whole `release` of handles `fold_released` could not finish."""
+        while True:
+            await self._owed.wait()
+            await self._release_owed()
+
+    async def _release_owed(self) -> None:
+        self._owed = trio.Event()
+        owed, self._owed_releases = self._owed_releases, []
+        for fh in owed:
+            try:
+                await self.release(fh)
+            except Exception:  # noqa: BLE001 - its RELEASE is answered: nobody to tell
+                log.exception("release of handle %d (answered in C) failed", fh)
 
     def data_ranges(self, ino: int, start: int, max_ranges: int) -> dict[str, object]:
         """Where a regular file holds data (for `ckptfs export`, which cannot ask

@@ -556,6 +556,11 @@ def _serve(opts: MountOptions, ready_fd: Optional[int], attempt: Attempt) -> int
                 # A stream's next WRITEs answered in C, folded in before any Python runs.
                 fastpath.write_folder(lambda extents: fs.files.fold_written(extents, fs.now_ns))
                 fs.files.stager.publish_windows(fastpath)
+            if merged is None:
+                # A RELEASE after a FLUSH that committed everything answered in C,
+                # its handle's bookkeeping folded in before any Python runs.
+                fastpath.release_folder(fs.fold_released)
+                fs.watch_flushed(fastpath.release_quiet)
         quiet_collector()
         trio.run(_run, fs, opts, ready_fd, sock_path, attempt, metrics, merged, ops)
     except (CkptfsError, OSError) as e:
@@ -586,6 +591,8 @@ async def _run(fs: Filesystem, opts: MountOptions, ready_fd: Optional[int],
             elif ops is not None:
                 # READs the fast path's read pool could not answer (a failed check).
                 inner.start_soon(fastpath.serve_handbacks, ops.read_errno)
+                # Releases answered in C whose file changed after all (not expected).
+                inner.start_soon(fs.serve_owed_releases)
                 # Read tables loaded ahead of sequential readers.
                 inner.start_soon(fastpath.serve_read_ahead, fs.files.reader.load_ahead)
                 # Cold look-aheads topped up for readers answered in C.

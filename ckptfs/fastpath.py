@@ -26,6 +26,10 @@ A request it passes on closes the window of the inode it touches first.
 It also answers the one GETATTR of a directory the kernel sends after a
 create in it, with the attributes the adapter left for it (`attr_leave`),
 which the adapter drops (`attr_drop`) as the index changes the inode.
+And the RELEASE of a handle whose FLUSH left its file nothing to commit
+(`release_quiet`, unless another request about the inode came since): the
+handles are given to the daemon's release folder (`release_folder`) before
+the C module returns, as the WRITEs are.
 
 In a process that loaded pyfuse3 first (tests that import the adapter) the
 fast path cannot install itself: `hooked()` stays False and every request
@@ -84,7 +88,7 @@ OPCODES = {
     48: "SETUPMAPPING", 49: "REMOVEMAPPING", 50: "SYNCFS", 51: "TMPFILE", 52: "STATX",
 }
 _N_OPCODES = 64
-_N_COUNTERS = _N_OPCODES + 17
+_N_COUNTERS = _N_OPCODES + 18
 
 
 def want(on: bool = True) -> None:
@@ -395,10 +399,49 @@ def write_folder(fold: Optional[Callable[[list[tuple[int, int, int, int]]], None
     lib.ckptfs_fuse_write_folder(int(ffi.cast("uintptr_t", _folder)))
 
 
+def release_quiet(fh: int, ino: int) -> None:
+    """The RELEASE of handle fh (of ino) needs nothing but the handle's
+    bookkeeping: answer it in C unless another request about ino comes
+    first. Call it before the FLUSH that found so is answered."""
+    if lib is not None and hasattr(lib, "ckptfs_fuse_release_quiet"):
+        lib.ckptfs_fuse_release_quiet(fh, ino)
+
+
+_release_folder = None      # the cffi callback: kept alive while the C module may call it
+
+
+def release_folder(fold: Optional[Callable[[list[int]], None]]) -> None:
+    """fold(fhs) is called with the handles whose RELEASE was answered in C,
+    in the order they came, before the C module returns to the interpreter
+    (after the WRITEs' folder). It must not raise or block. None: no folder
+    (every RELEASE goes to the daemon then)."""
+    global _release_folder
+    if lib is None or not hasattr(lib, "ckptfs_fuse_release_folder"):
+        return
+    if fold is None:
+        lib.ckptfs_fuse_release_folder(0)
+        _release_folder = None
+        return
+    out = ffi.new("uint64_t[]", 256)
+
+    def take() -> None:
+        fhs: list[int] = []
+        while True:
+            k = lib.ckptfs_fuse_release_take(out, 256)
+            fhs.extend(int(out[i]) for i in range(k))
+            if k < 256:
+                break
+        if fhs:
+            fold(fhs)
+
+    _release_folder = ffi.callback("void(void)", take, onerror=_fold_failed)
+    lib.ckptfs_fuse_release_folder(int(ffi.cast("uintptr_t", _release_folder)))
+
+
 def _fold_failed(exc_type, exc, tb) -> None:
     # The folder itself catches what a fold raises; this is the last resort.
     import logging
-    logging.getLogger(__name__).error("folding WRITEs answered in C failed: %r", exc)
+    logging.getLogger(__name__).error("folding requests answered in C failed: %r", exc)
 
 
 def read_bytes() -> int:
@@ -422,8 +465,9 @@ def stats() -> dict[str, object]:
     on and handed back, withdrawals that waited for the pool, and the WRITEs
     answered in C, their bytes, WRITEs of a file with a window passed on, and of
     those answered, the ones whose payload was spliced into the log, READs
-    answered from the log's mapping, and the GETATTRs answered with the
-    attributes the daemon left (`attr_leave`). Counted
+    answered from the log's mapping, the GETATTRs answered with the
+    attributes the daemon left (`attr_leave`), and the RELEASEs answered in C
+    (`release_quiet`). Counted
     only while the fast path is on. Any thread."""
     if lib is None:
         return {"fuse_fastpath": False, "fuse_requests": {}, "fuse_write_bytes": 0,
@@ -436,7 +480,7 @@ def stats() -> dict[str, object]:
                 "fuse_write_answered_in_c": 0, "fuse_write_bytes_in_c": 0,
                 "fuse_write_passed_on": 0, "fuse_write_spliced": 0,
                 "fuse_read_mapped": 0, "fuse_getattr_answered_in_c": 0,
-                "log_faults": _log_faults()}
+                "fuse_release_answered_in_c": 0, "log_faults": _log_faults()}
     cold = _cold_counters()
     out = ffi.new("uint64_t[]", _N_COUNTERS)
     lib.ckptfs_fuse_counters(out, _N_COUNTERS)
@@ -459,4 +503,5 @@ def stats() -> dict[str, object]:
             "fuse_write_passed_on": int(out[_N_OPCODES + 13]),
             "fuse_write_spliced": int(out[_N_OPCODES + 14]),
             "fuse_read_mapped": int(out[_N_OPCODES + 15]),
-            "fuse_getattr_answered_in_c": int(out[_N_OPCODES + 16])}
+            "fuse_getattr_answered_in_c": int(out[_N_OPCODES + 16]),
+            "fuse_release_answered_in_c": int(out[_N_OPCODES + 17])}

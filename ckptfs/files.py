@@ -136,6 +136,11 @@ class FileData:
                 return df
             await df.quiesce()
 
+    def settled(self, ino: int) -> bool:
+        """Nothing of ino to commit and no write or cut of it in flight."""
+        df = self.dirty_files.get(ino)
+        return df is None or (df.quiet and not df.has_changes)
+
     def open_attrs(self, ino: int) -> Optional[tuple[int, Optional[int], Optional[int]]]:
         """(size, mtime_ns, ctime_ns) of an open file's changes; times None if unchanged."""
         df = self.dirty_files.get(ino)

@@ -33,7 +33,8 @@
 /* After the write counters: READs answered from the log's mapping. */
 #define FP_MAPPED_READS 0
 #define FP_FAST_GETATTR 1
-#define FP_MCOUNTERS 2
+#define FP_FAST_RELEASE 2
+#define FP_MCOUNTERS 3
 #define FP_OTHER_OPCODE FP_OPCODES
 #define FP_WRITE_BYTES (FP_OPCODES + 1)
 #define FP_FAST_GETXATTR (FP_OPCODES + 2)
@@ -82,6 +83,26 @@ typedef struct {
 
 static fp_attr attrs_left[FP_ATTR_SLOTS];
 static unsigned n_attrs_left;       /* slots in use: 0 skips every look-up */
+
+/* Handles whose RELEASE needs nothing of the daemon but its bookkeeping
+ * (ckptfs_fuse_release_quiet: a FLUSH left the file with nothing to
+ * commit): direct-mapped by fh, a colliding mark evicts the older one
+ * (whose RELEASE then goes to the daemon).  Any other request about the
+ * inode drops its marks first (quiet_touch). */
+#define FP_QUIET_SLOTS 64u
+/* RELEASEs answered here and not yet taken; a full queue sends the next
+ * one to the daemon (which takes them first). */
+#define FP_RELEASED_MAX 256
+
+typedef struct {
+    uint64_t fh, ino;               /* ino 0: a free slot */
+} fp_quiet;
+
+static fp_quiet quiet[FP_QUIET_SLOTS];
+static unsigned n_quiet;            /* slots in use: 0 skips every look-up */
+static uint64_t released[FP_RELEASED_MAX];
+static size_t n_released;
+static void (*release_folder)(void);
 
 /* Read tables: one per file being read (chunkread.py keeps at most
  * MAX_WINDOWS windows, fewer than this). */
@@ -200,6 +221,7 @@ static int splice_wanted = 1;
 
 static uint64_t counters[FP_COUNTERS];
 static fp_window *window_of(uint64_t ino);
+static int touches_only_nodeid(uint32_t opcode);
 static uint64_t caps_absent[FP_SLOTS];
 static int wanted;
 static int hooked;
@@ -334,6 +356,52 @@ void ckptfs_fuse_attr_drop(uint64_t ino)
         a->ino = 0;
         n_attrs_left--;
     }
+}
+
+void ckptfs_fuse_release_quiet(uint64_t fh, uint64_t ino)
+{
+    if (ino == 0)
+        return;
+    fp_quiet *q = &quiet[fh % FP_QUIET_SLOTS];
+    if (q->ino == 0)
+        n_quiet++;
+    q->fh = fh;
+    q->ino = ino;
+}
+
+/* A request about ino (any but a RELEASE, which answer_release looks at)
+ * may change what its RELEASE has to do: its marks go.  A COPY_FILE_RANGE
+ * names its second file in its arguments: every mark goes. */
+static void quiet_touch(const struct fuse_in_header *in)
+{
+    if (in->opcode == FUSE_RELEASE || in->opcode == FUSE_FORGET
+            || in->opcode == FUSE_BATCH_FORGET || in->opcode == FUSE_INTERRUPT)
+        return;
+    int all = !touches_only_nodeid(in->opcode) && in->opcode != FUSE_CREATE
+              && in->opcode != FUSE_MKNOD && in->opcode != FUSE_LINK
+              && in->opcode != FUSE_UNLINK && in->opcode != FUSE_RMDIR
+              && in->opcode != FUSE_RENAME && in->opcode != FUSE_RENAME2;
+    for (unsigned i = 0; i < FP_QUIET_SLOTS && n_quiet > 0; i++) {
+        if (quiet[i].ino != 0 && (all || quiet[i].ino == in->nodeid)) {
+            quiet[i].ino = 0;
+            n_quiet--;
+        }
+    }
+}
+
+size_t ckptfs_fuse_release_take(uint64_t *out, size_t n)
+{
+    if (n > n_released)
+        n = n_released;
+    memcpy(out, released, n * sizeof *out);
+    memmove(released, released + n, (n_released - n) * sizeof *released);
+    n_released -= n;
+    return n;
+}
+
+void ckptfs_fuse_release_folder(uintptr_t fn)
+{
+    release_folder = (void (*)(void))fn;
 }
 
 void ckptfs_fuse_read_mapper(uintptr_t crc_fn, int off)
@@ -625,6 +693,35 @@ static int answer_getattr(int fd, const struct fuse_in_header *in, size_t len)
     }
     /* ENOENT: the request was interrupted meanwhile, nobody waits for it. */
     __atomic_fetch_add(&mcounters[FP_FAST_GETATTR], 1, __ATOMIC_RELAXED);
+    return 1;
+}
+
+/* A RELEASE of a handle the daemon marked (ckptfs_fuse_release_quiet, no
+ * request about its inode since): answered (1), the handle queued for the
+ * daemon's release folder; 0 for the daemon; -1 the session ended.  A
+ * release that unlocks (flock) or flushes goes to the daemon. */
+static int answer_release(int fd, const struct fuse_in_header *in, size_t len)
+{
+    if (n_quiet == 0 || release_folder == NULL || n_released >= FP_RELEASED_MAX
+            || len < sizeof *in + sizeof(struct fuse_release_in))
+        return 0;
+    const struct fuse_release_in *rel = (const struct fuse_release_in *)(in + 1);
+    fp_quiet *q = &quiet[rel->fh % FP_QUIET_SLOTS];
+    if (q->ino == 0 || q->fh != rel->fh || q->ino != in->nodeid || rel->release_flags != 0)
+        return 0;
+    q->ino = 0;
+    n_quiet--;
+    /* As a RELEASE passed on would (passing_on): no more WRITEs of it here. */
+    if (n_windows > 0)
+        ckptfs_fuse_write_close(in->nodeid);
+    /* Queued first: the handle is gone for the kernel whatever the write says. */
+    released[n_released++] = rel->fh;
+    struct fuse_out_header out = {.len = sizeof out, .error = 0, .unique = in->unique};
+    ssize_t w = write(fd, &out, sizeof out);
+    if (w < 0 && errno == ENODEV)
+        return -1;              /* unmounted: libfuse ends the session */
+    /* ENOENT: the request was interrupted meanwhile, nobody waits for it. */
+    __atomic_fetch_add(&mcounters[FP_FAST_RELEASE], 1, __ATOMIC_RELAXED);
     return 1;
 }
 
@@ -1352,6 +1449,8 @@ static ssize_t fp_read_requests(int fd, void *buf, size_t buf_len)
             return n;           /* libfuse reports the short read */
         const struct fuse_in_header *in = buf;
         count(in, (size_t)n);
+        if (n_quiet > 0)
+            quiet_touch(in);
         last_getattr = 0;
         if (in->opcode == FUSE_WRITE && answered < FP_MAX_BURST) {
             int r = answer_write(fd, in, (size_t)n, spliced ? &in_pipe : NULL);
@@ -1366,6 +1465,20 @@ static ssize_t fp_read_requests(int fd, void *buf, size_t buf_len)
             return -1;
         if (answered >= FP_MAX_BURST || in->opcode == FUSE_WRITE)
             return n;
+        if (in->opcode == FUSE_RELEASE) {
+            int r = answer_release(fd, in, (size_t)n);
+            if (r < 0)
+                return -1;
+            if (r == 0)
+                return n;
+            answered++;
+            /* No wait after it: the kernel sent it as close() returned, the
+             * writer's next request comes once it ran again (as after a
+             * GETATTR answered here), and a wait that times out costs the
+             * credit that the wait for a WRITE after its GETXATTR needs. */
+            last_getattr = 1;
+            continue;
+        }
         if (in->opcode == FUSE_GETATTR) {
             int r = answer_getattr(fd, in, (size_t)n);
             if (r < 0)
@@ -1417,6 +1530,8 @@ static ssize_t fp_read(int fd, void *buf, size_t buf_len, void *userdata)
         passing_on((const struct fuse_in_header *)buf);
     if (n_pending > 0 && folder != NULL)
         folder();               /* takes the GIL if this thread does not hold it */
+    if (n_released > 0 && release_folder != NULL)
+        release_folder();       /* after the WRITEs: their folds first, as they came */
     errno = e;
     return n;
 }

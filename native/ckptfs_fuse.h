@@ -61,6 +61,14 @@
  *    names no inode it could touch closes every window), so the daemon
  *    sees it as after a WRITE of its own and opens the window again only
  *    from its write path;
+ *  - answers RELEASE itself for a handle the daemon marked as needing
+ *    nothing but its bookkeeping (ckptfs_fuse_release_quiet: a FLUSH of it
+ *    left its file nothing to commit), unless a request about the inode
+ *    came since; the handle is queued, and the daemon's release folder
+ *    (ckptfs_fuse_release_folder) takes them (ckptfs_fuse_release_take)
+ *    before this module returns from its read, after the WRITEs' folder.
+ *    A small file's close is FLUSH then RELEASE: the RELEASE costs no
+ *    trip through the interpreter and the event loop then;
  * The write side notes when libfuse has sent the INIT reply: the kernel
  * resets the mount's read-ahead while it handles that reply, so the daemon
  * raises it only after (ckptfs_fuse_init_replied).
@@ -192,8 +200,9 @@ int ckptfs_fuse_init_replied(void);
  * the daemon, out[78] the WRITEs answered here whose payload was spliced
  * into the log (see ckptfs_fuse_splice_writes); out[79] the READs answered
  * from the log's mapping (ckptfs_fuse_read_mapper); out[80] the GETATTRs
- * answered with attributes the daemon left (ckptfs_fuse_attr_leave).
- * n <= 81. */
+ * answered with attributes the daemon left (ckptfs_fuse_attr_leave);
+ * out[81] the RELEASEs answered here (ckptfs_fuse_release_quiet).
+ * n <= 82. */
 void ckptfs_fuse_counters(uint64_t *out, size_t n);
 
 /* A READ of a published table that missed the page cache goes to the read
@@ -259,5 +268,21 @@ size_t ckptfs_fuse_write_take(ckptfs_fuse_wextent *out, size_t n);
  * thread that reads the FUSE fd, taking the GIL) whenever WRITEs it
  * answered are pending, before it returns from its read.  0 to remove. */
 void ckptfs_fuse_write_folder(uintptr_t fn);
+
+/* The RELEASE of handle fh of inode ino needs nothing of the daemon but the
+ * handle's bookkeeping (its FLUSH just committed everything, nothing of the
+ * file is in flight): answer it here, unless another request about ino
+ * comes first (that drops the mark).  Call it before the FLUSH is answered. */
+void ckptfs_fuse_release_quiet(uint64_t fh, uint64_t ino);
+
+/* Up to n handles whose RELEASE was answered here into out, oldest first,
+ * taken: how many. */
+size_t ckptfs_fuse_release_take(uint64_t *out, size_t n);
+
+/* The daemon's release folder: a void(void) function this module calls (on
+ * the thread that reads the FUSE fd, taking the GIL) whenever RELEASEs it
+ * answered are queued, before it returns from its read.  0 to remove (no
+ * RELEASE is answered here then). */
+void ckptfs_fuse_release_folder(uintptr_t fn);
 
 #endif
