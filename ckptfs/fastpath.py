@@ -382,20 +382,9 @@ def write_folder(fold: Optional[Callable[[list[tuple[int, int, int, int]]], None
         lib.ckptfs_fuse_write_folder(0)
         _folder = None
         return
-    out = ffi.new("ckptfs_fuse_wextent[]", 256)
-
-    def take() -> None:
-        extents = []
-        while True:
-            k = lib.ckptfs_fuse_write_take(out, 256)
-            extents.extend((int(out[i].ino), int(out[i].file_off), int(out[i].log_off),
-                            int(out[i].length)) for i in range(k))
-            if k < 256:
-                break
-        if extents:
-            fold(extents)
-
-    _folder = ffi.callback("void(void)", take, onerror=_fold_failed)
+    _folder = _draining_callback(
+        lib.ckptfs_fuse_write_take, "ckptfs_fuse_wextent[]",
+        lambda e: (int(e.ino), int(e.file_off), int(e.log_off), int(e.length)), fold)
     lib.ckptfs_fuse_write_folder(int(ffi.cast("uintptr_t", _folder)))
 
 
@@ -422,20 +411,32 @@ def release_folder(fold: Optional[Callable[[list[int]], None]]) -> None:
         lib.ckptfs_fuse_release_folder(0)
         _release_folder = None
         return
-    out = ffi.new("uint64_t[]", 256)
+    _release_folder = _draining_callback(lib.ckptfs_fuse_release_take, "uint64_t[]", int, fold)
+    lib.ckptfs_fuse_release_folder(int(ffi.cast("uintptr_t", _release_folder)))
+
+
+_TAKE_ROWS = 256
+
+
+def _draining_callback(take_rows, row_array: str, row: Callable, fold: Callable[[list], None]):
+    """The C module's folder callback: empties its queue through take_rows
+    (the C `*_take`, _TAKE_ROWS at a time into one buffer of row_array),
+    each row made a Python value by row, and gives them, in order, to fold
+    in one call. The C module calls it before it returns to the interpreter
+    (cffi takes the GIL for it)."""
+    out = ffi.new(row_array, _TAKE_ROWS)
 
     def take() -> None:
-        fhs: list[int] = []
+        rows: list = []
         while True:
-            k = lib.ckptfs_fuse_release_take(out, 256)
-            fhs.extend(int(out[i]) for i in range(k))
-            if k < 256:
+            k = take_rows(out, _TAKE_ROWS)
+            rows.extend(row(out[i]) for i in range(k))
+            if k < _TAKE_ROWS:
                 break
-        if fhs:
-            fold(fhs)
+        if rows:
+            fold(rows)
 
-    _release_folder = ffi.callback("void(void)", take, onerror=_fold_failed)
-    lib.ckptfs_fuse_release_folder(int(ffi.cast("uintptr_t", _release_folder)))
+    return ffi.callback("void(void)", take, onerror=_fold_failed)
 
 
 def _fold_failed(exc_type, exc, tb) -> None:
