@@ -152,9 +152,9 @@ Journal (journal.py, the record format): once `start_journal` ran (the
 mount), a durable commit is one record appended to INDEX/journal and one
 fdatasync, not an LMDB transaction (two flushes). A journaled batch stays a
 read layer over LMDB (`_journaled`: every journaled batch merged, newest
-value of each key; a batch's changes wait unsorted in `_jpend` until the
-table is read in key order) for the live index and for `read_view`, until a
-checkpoint writes them all, with a batch, in one synced LMDB transaction
+value of each key; a batch's changes wait in `_jpend`, sorted only when
+the table is read in key order, merged into it once they are an eighth of
+it) for the live index and for `read_view`, until a checkpoint writes them all, with a batch, in one synced LMDB transaction
 that also puts the journal's new generation (meta `journal`); the journal
 then starts over. Checkpoints: when a record does not fit in the journal,
 past JOURNAL_MAX_ENTRIES keys held in the layer, when the committer is idle
@@ -190,7 +190,6 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import lmdb
 import trio
-from sortedcontainers import SortedDict
 
 from . import journal as jr
 from .chunker import MAX_CHUNK_BYTES
@@ -282,6 +281,11 @@ _U64x2 = struct.Struct(">QQ")
 # this many keys (its memory: ~150 bytes a key) or the committer was idle this long.
 JOURNAL_MAX_ENTRIES = 1 << 16
 JOURNAL_IDLE_CHECKPOINT_S = 2.0
+# A table's journaled changes not yet merged into it (`Index._jpend`) are
+# merged when an ordered read finds them an eighth of the table or more (and
+# at least this many keys): until then they are a layer of their own.
+JOURNALED_PEND_FRACTION = 8
+JOURNALED_PEND_MIN_FOLD = 1024
 JOURNAL_PAGE_BYTES = 4096
 # A value longer than this goes to LMDB's overflow pages (4 KiB pages: a node
 # of at most ~2,040 bytes, key and header included): a run of contiguous
@@ -455,12 +459,17 @@ class Chunk:
 
 
 class BatchLayer(dict):
-    """A batch's changes to one table: key -> value (None: deleted), with
-    the part of SortedDict's interface the reads use (`irange`,
-    `bisect_left`, `peekitem`). Its keys are sorted the first time a read
-    asks for them in order, then kept sorted as keys are added: a commit's
-    ~150 puts were a SortedDict insert each (a third of them ever read in
-    order: the extents a punch looks up). Trio thread only."""
+    """Changes to one table: key -> value (None: deleted), with the part of
+    SortedDict's interface the reads use (`irange`, `bisect_left`,
+    `peekitem`): a batch's layer, and a table of the journaled layer. Its
+    keys are sorted the first time a read asks for them in order, then kept
+    sorted as keys are added (an `update` merges its new keys in, one pass
+    over the list): a commit's ~150 puts
+    were a SortedDict insert each (a third of them ever read in order: the
+    extents a punch looks up), and so were the ~50 extents each commit folds
+    into the journaled `extents` table. Changed on the trio thread only; a
+    worker reads a table only once sorted and never changed again (a
+    journaled table it holds is copied before the next fold)."""
 
     __slots__ = ("_keys",)
 
@@ -473,9 +482,38 @@ class BatchLayer(dict):
             insort(self._keys, key)
         dict.__setitem__(self, key, value)
 
-    def update(self, items: Iterable[tuple[bytes, Optional[bytes]]]) -> None:  # type: ignore[override]
-        dict.update(self, items)
-        self._keys = None           # sorted again, whole, when next asked
+    def update(self, items: "Iterable[tuple[bytes, Optional[bytes]]] | dict[bytes, Optional[bytes]]"  # type: ignore[override]
+               ) -> None:
+        keys = self._keys
+        if keys is None:
+            dict.update(self, items)
+            return
+        changes = items if isinstance(items, dict) else dict(items)    # a key once, its last value
+        new = sorted(k for k in changes if k not in self)
+        dict.update(self, changes)
+        if len(new) * 16 >= len(keys):
+            keys.extend(new)
+            keys.sort()
+            return
+        # A few keys into many (a commit's ~50 extents into a journaled table
+        # of up to ~10 k): the runs between them copied as slices, one pass;
+        # list.sort would compare every key to find its sorted run first.
+        merged: list[bytes] = []
+        at = 0
+        for k in new:
+            i = bisect_left(keys, k, at)
+            merged += keys[at:i]
+            merged.append(k)
+            at = i
+        merged += keys[at:]
+        self._keys = merged
+
+    def copy(self) -> "BatchLayer":  # type: ignore[override]
+        other = BatchLayer()
+        dict.update(other, self)
+        if self._keys is not None:
+            other._keys = list(self._keys)
+        return other
 
     def clear(self) -> None:
         dict.clear(self)
@@ -563,14 +601,17 @@ class Index:
         # holds are copied before the next merge changes them.
         self._journal: Optional[jr.Journal] = None
         self._journal_writer: Optional[jr.DurableWriter] = None     # `_append_small`'s C thread
-        self._journaled: dict[str, SortedDict] = {}
+        self._journaled: dict[str, BatchLayer] = {}
         self._journaled_shared: set[str] = set()
-        # Journaled changes newer than the table of their db, not sorted in
+        # Journaled changes newer than the table of their db, not merged in
         # yet (`_fold`): a dict.update per batch instead of a sorted insert per
-        # key; a table is sorted only when something reads it in key order
-        # (a commit's punches read `extents`; `chunks`, `chunkids`, `logmap`
-        # mostly go to the checkpoint unsorted). Never shared with a view.
-        self._jpend: dict[str, dict[bytes, Optional[bytes]]] = {}
+        # key; they are sorted only when something reads the table in key
+        # order (a commit's punches read `extents`; `chunks`, `chunkids`,
+        # `logmap` mostly go to the checkpoint unsorted), then read as a layer
+        # of their own over the table until they are an eighth of it: merging
+        # a commit's ~50 extents into a table of ~10 k keys costs a pass
+        # over the table. Never shared with a view.
+        self._jpend: dict[str, BatchLayer] = {}
         # Keys in the layer; a key both in a table and in its pending changes
         # counts twice until folded (a bound: a checkpoint comes no later).
         self._journaled_entries = 0
@@ -1052,7 +1093,7 @@ class Index:
         """A read-only view of the durable state (no pending batch), for a worker
         thread: one LMDB read transaction, consistent until closed."""
         txn = self.env.begin()
-        journaled: dict[str, SortedDict] = {}
+        journaled: dict[str, BatchLayer] = {}
         if self._journaled:
             # Between a checkpoint's LMDB transaction (on the committer's
             # worker) and its trio side dropping the layer, LMDB holds the
@@ -1062,6 +1103,8 @@ class Index:
             if raw is not None and _JOURNAL_META.unpack(raw)[0] == self._journaled_gen:
                 for db in list(self._jpend):
                     self._fold(db)          # a view reads one sorted layer a table
+                for table in self._journaled.values():
+                    table._sorted()         # here: the view's thread never sorts it
                 self._journaled_shared.update(self._journaled)
                 journaled = dict(self._journaled)
         return ReadView(txn, self._dbs, journaled)
@@ -1108,14 +1151,18 @@ class Index:
 
     def _layers(self, db: str) -> list:
         """The pending and journaled layers of db over LMDB, newest first,
-        sorted (the journaled changes not sorted in yet are, first)."""
-        if db in self._jpend:
+        sorted on demand (`BatchLayer`)."""
+        pend = self._jpend.get(db)
+        table = self._journaled.get(db)
+        if (pend is not None and len(pend) >= JOURNALED_PEND_MIN_FOLD
+                and len(pend) * JOURNALED_PEND_FRACTION >= (len(table) if table else 0)):
             self._fold(db)
+            pend, table = None, self._journaled.get(db)
         layers = [layer for batch in (self._open, self._committing) if batch is not None
                   for layer in (batch.ops.get(db),) if layer]
-        layer = self._journaled.get(db)
-        if layer:
-            layers.append(layer)
+        for layer in (pend, table):
+            if layer:
+                layers.append(layer)
         return layers
 
     def _lookup_layers(self, db: str) -> list[dict]:
@@ -1150,38 +1197,48 @@ class Index:
     def _floor_below(self, db: str, lo: bytes, below: bytes) -> Optional[tuple[bytes, bytes]]:
         """The committed-or-pending item with the greatest key in [lo, below),
         if any: what `_items(db, lo, below, reverse=True)` yields first, found
-        by bisection in each layer and one cursor, with no merge of iterators
-        (a commit's punches look one up per rewrite). Same consistency rule
-        as `_items`."""
+        by bisection in each layer and one cursor, with no merge of iterators.
+        Same consistency rule as `_items`."""
+        return self.floor_finder(db, lo)(below)
+
+    def floor_finder(self, db: str, lo: bytes
+                     ) -> Callable[[bytes], Optional[tuple[bytes, bytes]]]:
+        """`_floor_below(db, lo, below)` for many `below`s: the layers and the
+        cursor taken once, not per look-up (a commit's punches look up two
+        extents per rewrite). Use it before the next await and before the
+        next change to db: it reads the layers as they were when made."""
         layers = self._layers(db)
         cur = self._rtxn.cursor(self._dbs[db])
-        while True:
-            # Each source's greatest key below `below` (a layer's may be a
-            # pending deletion); the greatest of them, newest source first on a tie.
-            if cur.set_range(below):
-                ok = cur.prev()
-            else:
-                ok = cur.last()
-            key = cur.key() if ok else None
-            if key is not None and key < lo:
-                key = None
-            for layer in layers:
-                i = layer.bisect_left(below)
-                if i:
-                    k = layer.peekitem(i - 1)[0]
-                    if k >= lo and (key is None or k > key):
-                        key = k
-            if key is None:
-                return None
-            for layer in layers:
-                if key in layer:
-                    value = layer[key]
-                    break
-            else:
-                value = cur.value()      # only the cursor has it, and it is there
-            if value is not None:
-                return key, value
-            below = key                  # deleted in a pending batch: look further down
+
+        def floor(below: bytes) -> Optional[tuple[bytes, bytes]]:
+            while True:
+                # Each source's greatest key below `below` (a layer's may be a
+                # pending deletion); the greatest of them, newest source first on a tie.
+                if cur.set_range(below):
+                    ok = cur.prev()
+                else:
+                    ok = cur.last()
+                key = cur.key() if ok else None
+                if key is not None and key < lo:
+                    key = None
+                for layer in layers:
+                    i = layer.bisect_left(below)
+                    if i:
+                        k = layer.peekitem(i - 1)[0]
+                        if k >= lo and (key is None or k > key):
+                            key = k
+                if key is None:
+                    return None
+                for layer in layers:
+                    if key in layer:
+                        value = layer[key]
+                        break
+                else:
+                    value = cur.value()      # only the cursor has it, and it is there
+                if value is not None:
+                    return key, value
+                below = key                  # deleted in a pending batch: look further down
+        return floor
 
     def _lmdb_items(self, db: str, lo: bytes, hi: bytes, reverse: bool
                     ) -> Iterator[tuple[bytes, bytes]]:
@@ -1213,18 +1270,20 @@ class Index:
         elif db == "dirents":
             self._entry_changed(key)
 
-    def _put_many(self, db: str, items: list[tuple[bytes, bytes]]) -> None:
-        """`_put` of many keys at once: one sorted merge into the open batch
-        instead of a sorted insert per key (a big file's commit puts four
-        records per chunk, 16 chunks per MiB)."""
+    def _put_many(self, db: str, items: list[tuple[bytes, Optional[bytes]]]) -> None:
+        """`_put` (or `_delete`: value None) of many keys at once, in order (a
+        later item of a key wins): one update of the open batch's layer instead
+        of a call per key (a big file's commit puts four records per chunk, 16
+        chunks per MiB; a commit's punches delete and split extents)."""
         if self.fenced is not None:
             raise ReadOnly(self.fenced)
         if not items:
             return
         self._layer(db).update(items)
         if db in _WATCHED_DBS:
-            for key, _ in items:
-                self._map_changed(db, key)
+            # Watchers drop what they cached of a number: once per number will do.
+            for number in dict.fromkeys(_U64.unpack_from(key)[0] for key, _ in items):
+                self._numbers_changed(db, number)
         elif db == "chunkids":
             self.chunk_ids_put += len(items)
         elif db == "dirents":
@@ -1263,7 +1322,10 @@ class Index:
                 entries_changed(parent)
 
     def _map_changed(self, db: str, key: bytes) -> None:
-        number = _U64.unpack_from(key)[0]       # inodes: ino; extents: (ino, off); chunks: chunk_no
+        # inodes: ino; extents: (ino, off); chunks: chunk_no
+        self._numbers_changed(db, _U64.unpack_from(key)[0])
+
+    def _numbers_changed(self, db: str, number: int) -> None:
         for extents_changed, chunk_changed in self._watchers:
             (chunk_changed if db == "chunks" else extents_changed)(number)
 
@@ -1531,18 +1593,18 @@ class Index:
         for db, layer in batch.ops.items():
             pend = pending.get(db)
             if pend is None:
-                pend = pending[db] = {}
+                pend = pending[db] = BatchLayer()
                 if db not in self._journaled:
                     # Never empty while it holds changes: the checkpoints
                     # and `read_view` ask whether `_journaled` is.
-                    self._journaled[db] = SortedDict()
+                    self._journaled[db] = BatchLayer()
             pend.update(dict.items(layer))
         for db, key, value in batch.extra_ops:
             pend = pending.get(db)
             if pend is None:
-                pend = pending[db] = {}
+                pend = pending[db] = BatchLayer()
                 if db not in self._journaled:
-                    self._journaled[db] = SortedDict()
+                    self._journaled[db] = BatchLayer()
             pend[key] = value
         self._count_journaled()
 
@@ -1558,9 +1620,7 @@ class Index:
         if not pend:
             return
         table = self._journaled_table(db)
-        # SortedDict.update sorts the table again when the changes are a
-        # tenth of it or more (many batches' worth, folded at once), else
-        # inserts key by key (a batch's extents, folded every commit).
+        table._sorted()             # so the update merges the new keys in
         table.update(pend)
         self._count_journaled()
 
@@ -1572,12 +1632,12 @@ class Index:
         self._journaled_shared.update(self._journaled)
         return list(self._journaled.items()) + list(self._jpend.items())
 
-    def _journaled_table(self, db: str) -> SortedDict:
+    def _journaled_table(self, db: str) -> BatchLayer:
         table = self._journaled.get(db)
         if table is None:
-            table = self._journaled[db] = SortedDict()
+            table = self._journaled[db] = BatchLayer()
         elif db in self._journaled_shared:
-            table = self._journaled[db] = SortedDict(table)
+            table = self._journaled[db] = table.copy()
             self._journaled_shared.discard(db)
         return table
 
@@ -2051,7 +2111,7 @@ class ReadView:
     """
 
     def __init__(self, txn: lmdb.Transaction, dbs: dict,
-                 journaled: Optional[dict[str, SortedDict]] = None) -> None:
+                 journaled: Optional[dict[str, BatchLayer]] = None) -> None:
         self.txn = txn
         self.dbs = dbs
         self.journaled = journaled or {}
@@ -2104,13 +2164,13 @@ def _cursor_range(cur: lmdb.Cursor, lo: bytes, hi: bytes) -> Iterator[tuple[byte
 _END = object()
 
 
-def _layer_items(layer: SortedDict, lo: bytes, hi: bytes, reverse: bool
+def _layer_items(layer: BatchLayer, lo: bytes, hi: bytes, reverse: bool
                  ) -> Iterator[tuple[bytes, Optional[bytes]]]:
     for k in layer.irange(lo, hi, inclusive=(True, False), reverse=reverse):
         yield k, layer[k]
 
 
-def _merge_over(layer: SortedDict, lo: bytes, hi: bytes, below: Iterator[tuple[bytes, bytes]],
+def _merge_over(layer: BatchLayer, lo: bytes, hi: bytes, below: Iterator[tuple[bytes, bytes]],
                 reverse: bool) -> Iterator[tuple[bytes, bytes]]:
     """`_merge_layers` of one layer's items in [lo, hi) over a sorted stream
     (LMDB's): the layer's value wins on equal keys, its None hides the key.
@@ -2543,6 +2603,36 @@ def more_refs(kv, chunk_no: int, delta: int) -> bool:
     return True
 
 
+def more_refs_many(index: "Index", deltas: list[tuple[int, int]]) -> list[int]:
+    """`more_refs` of many chunks (chunk number, delta > 0; each chunk once),
+    the layers looked up once and one put for all (a commit's split extents,
+    one a rewrite). Returns the chunks it left unchanged (no record, or a
+    damaged count): the caller's full path decides."""
+    layers = index._lookup_layers("chunks")
+    rtxn, db = index._rtxn, index._dbs["chunks"]
+    head = _CHUNK_HEAD
+    changed: list[tuple[bytes, Optional[bytes]]] = []
+    missed: list[int] = []
+    for chunk_no, delta in deltas:
+        key = u64(chunk_no)
+        for layer in layers:
+            if key in layer:
+                raw = layer[key]
+                break
+        else:
+            raw = rtxn.get(key, db=db)
+        if raw is None or len(raw) < head.size:
+            missed.append(chunk_no)
+            continue
+        kind, refcount, length = head.unpack_from(raw)
+        if refcount + delta <= 0:
+            missed.append(chunk_no)
+            continue
+        changed.append((key, head.pack(kind, refcount + delta, length) + raw[head.size:]))
+    index._put_many("chunks", changed)
+    return missed
+
+
 def put_chunk(kv, chunk: Chunk) -> None:
     """Update a chunk that is already stored (refcount, original names)."""
     kv._put("chunks", u64(chunk.chunk_no), chunk.encode())
@@ -2703,19 +2793,39 @@ def iter_extents(kv: "Index", ino: int, start: int = 0, end: int = 1 << 63) -> I
         yield e
 
 
+class ExtentFinder:
+    """Look-ups of the extents holding given bytes of one file (the live
+    index only), many with one set of layers and one cursor: valid before
+    the next await and the next change to the file's map."""
+
+    __slots__ = ("_ino", "_hi", "_floor")
+
+    def __init__(self, index: "Index", ino: int) -> None:
+        lo, self._hi = prefix_range(ino)
+        self._ino = ino
+        self._floor = index.floor_finder("extents", lo)
+
+    def at(self, off: int) -> Optional[Extent]:
+        """The extent holding byte off, if one does."""
+        found = self._floor(extent_key(self._ino, off + 1))
+        if found is None:
+            return None
+        e = extent_decode(*found)
+        return e if e.end > off else None
+
+    def any(self) -> bool:
+        """Whether the file has any extent."""
+        return self._floor(self._hi) is not None
+
+
 def extent_at(index: "Index", ino: int, off: int) -> Optional[Extent]:
     """The extent of ino holding byte off, if one does (the live index only)."""
-    found = index._floor_below("extents", extent_key(ino, 0), extent_key(ino, off + 1))
-    if found is None:
-        return None
-    e = extent_decode(*found)
-    return e if e.end > off else None
+    return ExtentFinder(index, ino).at(off)
 
 
 def has_extents(index: "Index", ino: int) -> bool:
     """Whether ino has any extent (the live index only)."""
-    lo, hi = prefix_range(ino)
-    return index._floor_below("extents", lo, hi) is not None
+    return ExtentFinder(index, ino).any()
 
 
 @dataclass(slots=True)
@@ -3123,6 +3233,13 @@ def put_extents(kv, ino: int, extents: list[Extent]) -> None:
 
 def delete_extent(kv, ino: int, file_off: int) -> None:
     kv._delete("extents", extent_key(ino, file_off))
+
+
+def replace_extents(index: "Index", ino: int, deleted: Iterable[int], put: list[Extent]) -> None:
+    """Delete the extents of ino starting at the offsets `deleted`, then put
+    `put` (which may start where a deleted one did), in one step."""
+    index._put_many("extents", [(extent_key(ino, off), None) for off in deleted]
+                    + [(extent_key(ino, e.file_off), extent_encode(e)) for e in put])
 
 
 def first_extent(kv, ino: int) -> Optional[Extent]:

@@ -80,6 +80,19 @@ class Reclaimer:
 
     # --------------------------------------------------------- refcounts
 
+    def add_refs_many(self, deltas: dict[int, int]) -> None:
+        """`add_refs` of many chunks: those that only gain references in one
+        step of the index (`ix.more_refs_many`), the others one by one."""
+        gains: list[tuple[int, int]] = []
+        others: list[tuple[int, int]] = []
+        for chunk_no, delta in deltas.items():
+            (gains if delta > 0 and chunk_no not in self.zombies else others).append(
+                (chunk_no, delta))
+        for chunk_no in ix.more_refs_many(self.index, gains) if gains else ():
+            self.add_refs(chunk_no, deltas[chunk_no])   # no record, or a damaged count
+        for chunk_no, delta in others:
+            self.add_refs(chunk_no, delta)
+
     def add_refs(self, chunk_no: int, delta: int) -> None:
         """Committed extents naming chunk_no changed by delta, in the open batch."""
         if delta == 0:

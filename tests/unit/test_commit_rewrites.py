@@ -184,3 +184,107 @@ def test_rewrite_cycles_wait_for_a_checkpoint_of_their_own(inproc, commit_work, 
     again.close()
     res = again.fsck()
     assert res.returncode == 0, f"fsck:\n{res.stdout}\n{res.stderr}"
+
+
+def test_a_cycles_punches_look_the_map_up_once_and_change_it_in_one_step(inproc, monkeypatch):
+    """The fsync after 16 random 4 KiB rewrites takes the extent map's
+    layers once for every look-up of its punches (not once per look-up:
+    17-33 a cycle), changes the map in one step (no extent deleted or split
+    off one call at a time) and gives the 16 split extents' chunks their
+    new references in one step too (no chunk record put one at a time but
+    for a chunk losing references); the file reads back right, and after a
+    crash too, fsck clean (refcounts and data_bytes included)."""
+    counts = {"extents_layers": 0, "extents_one_by_one": 0, "chunks_one_by_one": 0}
+    real_layers, real_put, real_delete = ix.Index._layers, ix.Index._put, ix.Index._delete
+
+    def note(name: str) -> None:
+        counts[name] += 1
+
+    def layers(self, db):
+        if db == "extents":
+            note("extents_layers")
+        return real_layers(self, db)
+
+    def put(self, db, key, value):
+        if db in ("extents", "chunks"):
+            note(db + "_one_by_one")
+        return real_put(self, db, key, value)
+
+    def delete(self, db, key):
+        if db == "extents":
+            note("extents_one_by_one")
+        return real_delete(self, db, key)
+
+    monkeypatch.setattr(ix.Index, "_layers", layers)
+    monkeypatch.setattr(ix.Index, "_put", put)
+    monkeypatch.setattr(ix.Index, "_delete", delete)
+    rng = random.Random(9)
+    expect = bytearray(rng.randbytes(FILE_BYTES))
+    fs = inproc(["pmem_size=64M"])
+    ino = fs.run(lambda fs: fs.write_file("/f", bytes(expect)))
+    per_fsync: list[dict[str, int]] = []
+    fs.run(_rewrite_cycles, ino, rng, 8, expect, counts, per_fsync)
+    for cycle in per_fsync:
+        # Once, and twice more for a scan: a rewrite into a hole an earlier
+        # all-zero rewrite left (nothing holds its first byte) is looked for
+        # by a scan of the map, as before.
+        assert cycle.get("extents_layers", 0) <= 3, per_fsync
+        assert cycle.get("extents_one_by_one", 0) == 0, per_fsync
+        # A chunk losing a reference (a rewrite over an earlier one) is put
+        # on its own; the 16 gaining one are not.
+        assert cycle.get("chunks_one_by_one", 0) <= 3, per_fsync
+    assert fs.run(lambda fs: fs.read_file("/f")) == expect
+    fs.close()
+    assert fs.fsck().returncode == 0
+    again = inproc(source=fs.source)
+    assert again.run(lambda fs: fs.read_file("/f")) == expect
+
+
+def test_rewrites_in_one_extent_touching_and_across_extents_punch_as_one_by_one(inproc):
+    """A commit punches all its ranges out of the map as it was before any
+    (one look-up set, one change): several rewrites inside one committed
+    extent, touching ones (one run), ones across an extent boundary, a
+    range longer than a small punch, a hole, a rewrite of bytes written a
+    cycle before; the file reads back as written, its data_bytes and every
+    chunk's refcount right (fsck, after a crash too)."""
+    rng = random.Random(12)
+    size = 3 * MiB + 5 * KiB
+    expect = bytearray(rng.randbytes(size))
+    fs = inproc(["pmem_size=64M"])
+    ino = fs.run(lambda fs: fs.write_file("/f", bytes(expect)))
+
+    async def cycles(fs):
+        fh = fs.fs.open(ino, os.O_WRONLY)
+        try:
+            for cycle in range(12):
+                writes = []
+                base = rng.randrange(size - 400 * KiB)
+                writes += [(base + 1000, 3000), (base + 9 * KiB, 4 * KiB)]        # one extent
+                writes += [(base + 20 * KiB, 4 * KiB), (base + 24 * KiB, 6 * KiB)]  # touching
+                writes.append((base + 40 * KiB, 100 * KiB))                       # past a small punch
+                writes.append((rng.randrange(size - 8 * KiB), 7 * KiB + 3))        # anywhere
+                writes.append((size - 2 * KiB - rng.randrange(4 * KiB), 2 * KiB))  # at the end
+                if cycle:
+                    writes.append((last, 4 * KiB))                                # last cycle's bytes
+                for k, (off, n) in enumerate(writes):
+                    data = bytes(n) if k == 3 and cycle % 3 == 0 else rng.randbytes(n)
+                    await fs.fs.write(fh, off, data)
+                    expect[off:off + n] = data
+                last = base + 21 * KiB
+                await fs.fs.fsync(fh)
+                # Across the boundaries the last commit made: a small write over two extents.
+                await fs.fs.write(fh, base + 22 * KiB, b"x" * 4 * KiB)
+                expect[base + 22 * KiB:base + 26 * KiB] = b"x" * 4 * KiB
+                await fs.fs.fsync(fh)
+        finally:
+            await fs.fs.release(fh)
+
+    fs.run(cycles)
+    assert fs.run(lambda fs: fs.read_file("/f")) == expect
+    inode = ix.get_inode(fs.index, ino)
+    assert inode.data_bytes == sum(e.length for e in ix.iter_extents(fs.index, ino))
+    fs.close()
+    res = fs.fsck()
+    assert res.returncode == 0, f"fsck:\n{res.stdout}\n{res.stderr}"
+    again = inproc(source=fs.source)
+    assert again.run(lambda fs: fs.read_file("/f")) == expect

@@ -7,6 +7,7 @@ import random
 import time
 
 import trio
+from sortedcontainers import SortedDict
 
 from ckptfs import index as ix
 from ckptfs.index import Index
@@ -582,7 +583,6 @@ def test_one_layer_over_lmdb_merges_as_the_k_way_merge_does(tmp_path):
     """`_merge_over` (one layer over LMDB: the journaled layer in a ReadView,
     the live index with one layer) yields what `_merge_layers` yields, both
     ways, with deletions, keys only in either, and bounds inside and outside."""
-    from sortedcontainers import SortedDict
     rng = random.Random(3)
     committed = {k: bytes([k % 251]) * 3 for k in rng.sample(range(400), 150)}
     index = committed_index(tmp_path, committed)
@@ -624,14 +624,14 @@ def test_journaled_batches_wait_unsorted_until_read_in_key_order(tmp_path, monke
     rng = random.Random(11)
     model: dict[tuple[str, bytes], bytes] = {}
     sorted_inserts: list[int] = []
-    real_setitem = ix.SortedDict.__setitem__
+    real_setitem = SortedDict.__setitem__
 
     def counted_setitem(self, key, value):
         if merging:
             sorted_inserts.append(1)
         real_setitem(self, key, value)
 
-    monkeypatch.setattr(ix.SortedDict, "__setitem__", counted_setitem)
+    monkeypatch.setattr(SortedDict, "__setitem__", counted_setitem)
     merging = False
     real_merge = index._merge_journaled
 
@@ -709,7 +709,7 @@ def test_a_batch_layer_reads_in_order_as_a_sorted_dict_does():
     reads and puts interleaved as a commit's punches do them; and an emptied
     layer (reused by a later batch) holds nothing of before."""
     rng = random.Random(3)
-    layer, model = ix.BatchLayer(), ix.SortedDict()
+    layer, model = ix.BatchLayer(), SortedDict()
     for step in range(3000):
         op = rng.random()
         if op < 0.45:
@@ -733,3 +733,78 @@ def test_a_batch_layer_reads_in_order_as_a_sorted_dict_does():
             if i:
                 assert layer.peekitem(i - 1) == model.peekitem(i - 1)
         assert dict(layer) == dict(model) and len(layer) == len(model)
+
+
+def test_a_journaled_table_takes_each_commits_changes_without_a_pass_over_it(tmp_path, monkeypatch):
+    """A journaled commit's changes to a table read in key order every
+    commit (a rewrite cycle's extents, looked up by floor) stay a layer of
+    their own over the table until they are an eighth of it: merged into it
+    a few times in 150 commits, not once a commit (a pass over a table of
+    ~10 k keys each time, or a sorted insert per key before). Floors, ordered
+    reads both ways and reads by key give the newest value throughout, with
+    a read view taken midway that never changes, and after a reopen."""
+    monkeypatch.setattr(ix, "JOURNALED_PEND_MIN_FOLD", 64)     # 1024: folds in this test too
+    index = Index(str(tmp_path / "index"))
+    index.format(bytes(16), 0, 0, 0)
+    rng = random.Random(21)
+    model: dict[bytes, bytes] = {}
+    merges: list[tuple[int, int, int]] = []      # changes, table, checkpoints so far
+    real_fold = Index._fold
+
+    def fold(self, db):
+        if db == "xattrs" and self._jpend.get(db):
+            merges.append((len(self._jpend[db]), len(self._journaled.get(db) or ()), self.checkpoints))
+        real_fold(self, db)
+
+    monkeypatch.setattr(Index, "_fold", fold)
+
+    def check_floor():
+        below = keys(rng.randrange(1, 3000))
+        want = max((k for k in model if k < below), default=None)
+        got = index._floor_below("xattrs", keys(0), below)
+        assert got == (None if want is None else (want, model[want]))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(index.run_committer, lambda ranges: None,
+                               trio.CapacityLimiter(1))
+            assert index.start_journal()
+            view = frozen = None
+            for commit in range(150):
+                for _ in range(rng.randrange(10, 40)):
+                    key = keys(rng.randrange(3000))
+                    if rng.random() < 0.2:
+                        index._delete("xattrs", key)
+                        model.pop(key, None)
+                    else:
+                        model[key] = rng.randbytes(8)
+                        index._put("xattrs", key, model[key])
+                await index.wait_durable(index.current_seq())
+                check_floor()
+                if commit % 25 == 24:
+                    want = sorted(model.items())
+                    got = [(k, bytes(v)) for k, v in index._items("xattrs", keys(0), keys(3000))]
+                    assert got == want
+                    got = [(k, bytes(v)) for k, v in
+                           index._items("xattrs", keys(0), keys(3000), reverse=True)]
+                    assert got == want[::-1]
+                if commit == 70:
+                    view, frozen = index.read_view(), dict(model)
+            for k in range(0, 3000, 11):
+                got = index._get("xattrs", keys(k))
+                assert (None if got is None else bytes(got)) == model.get(keys(k))
+            got = {k: bytes(v) for k, v in view._items("xattrs", keys(0), keys(3000))}
+            assert got == frozen
+            view.close()
+            index.stop()
+
+    trio.run(main)
+    assert index.journal_records_total >= 150
+    # Merged when the changes are 64 keys (the minimum, lowered here) and an
+    # eighth of the table, and once for the read view: 20-35 times in 150
+    # commits, with a floor look-up after each (150 merges before).
+    assert 2 <= len(merges) <= 40, merges
+    index.close()
+    again = Index(str(tmp_path / "index"))
+    assert {k: bytes(v) for k, v in again._items("xattrs", keys(0), keys(3000))} == model
+    again.close()
