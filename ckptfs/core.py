@@ -266,6 +266,20 @@ class Filesystem:
         self.ns.put(inode)
         return self.attrs(ino)
 
+    def kill_privs(self, ino: int) -> None:
+        """What a write, truncate or chown by a caller without CAP_FSETID does
+        to a regular file on Linux: set-user-ID goes, set-group-ID too when
+        the group may execute. The kernel leaves it to the file system when
+        the mount handles FUSE_HANDLE_KILLPRIV_V2 (fastpath.kill_asked)."""
+        inode = self.ns.get(ino)
+        mode = inode.mode & ~stat.S_ISUID
+        if mode & stat.S_IXGRP:
+            mode &= ~stat.S_ISGID
+        if mode != inode.mode and stat.S_ISREG(inode.mode):
+            inode.mode = mode
+            inode.ctime_ns = self.now_ns()
+            self.ns.put(inode)
+
     # -------------------------------------------------------------- creating
 
     def make_node(self, parent: int, name: bytes, mode: int, uid: int, gid: int,

@@ -74,6 +74,9 @@ MAPPED_DISABLE_ENV = "CKPTFS_NO_MAPPED_READS"
 # reader whose READs miss the page cache. The INIT reply asks for this many.
 MAX_BACKGROUND = 48
 MAX_BACKGROUND_ENV = "CKPTFS_MAX_BACKGROUND"   # a number (A/B runs); 0: the kernel's default
+# "1": the INIT reply does not ask for FUSE_HANDLE_KILLPRIV_V2, so the kernel
+# asks GETXATTR("security.capability") before every write() again (A/B runs).
+KILLPRIV_DISABLE_ENV = "CKPTFS_NO_KILLPRIV_V2"
 
 # linux/fuse.h opcodes, for the counters' names.
 OPCODES = {
@@ -101,6 +104,10 @@ def want(on: bool = True) -> None:
             lib.ckptfs_fuse_max_background(max_background())
         if hasattr(lib, "ckptfs_fuse_splice_writes"):
             lib.ckptfs_fuse_splice_writes(0 if os.environ.get(SPLICE_DISABLE_ENV) == "1" else 1)
+        # The per-write() GETXATTR waited behind the WRITEs queued before it,
+        # so the writer and the daemon took turns (seq17); with this flag the
+        # daemon clears suid/sgid itself where the kernel says (kill_asked).
+        lib.ckptfs_fuse_killpriv_v2(0 if os.environ.get(KILLPRIV_DISABLE_ENV) == "1" else 1)
 
 
 def max_background() -> int:
@@ -114,6 +121,19 @@ def max_background() -> int:
 def hooked() -> bool:
     """Is the fast path between the kernel and libfuse on this mount?"""
     return lib is not None and bool(lib.ckptfs_fuse_hooked())
+
+
+def killpriv_v2() -> bool:
+    """Did this mount's INIT reply take FUSE_HANDLE_KILLPRIV_V2 (see `want`)?"""
+    return lib is not None and bool(lib.ckptfs_fuse_killpriv_v2_on())
+
+
+def kill_asked(ino: int) -> bool:
+    """Did a request for ino passed on to the daemon (a WRITE, a SETATTR, an
+    OPEN) carry the kernel's "clear suid/sgid" (FUSE_HANDLE_KILLPRIV_V2)?
+    Each flag answers True once; call on the trio thread, in that request's
+    handler, before it changes the file."""
+    return lib is not None and bool(lib.ckptfs_fuse_kill_asked(ino))
 
 
 def caps_absent(ino: int) -> None:
@@ -481,7 +501,8 @@ def stats() -> dict[str, object]:
                 "fuse_write_answered_in_c": 0, "fuse_write_bytes_in_c": 0,
                 "fuse_write_passed_on": 0, "fuse_write_spliced": 0,
                 "fuse_read_mapped": 0, "fuse_getattr_answered_in_c": 0,
-                "fuse_release_answered_in_c": 0, "log_faults": _log_faults()}
+                "fuse_release_answered_in_c": 0, "fuse_killpriv_v2": False,
+                "log_faults": _log_faults()}
     cold = _cold_counters()
     out = ffi.new("uint64_t[]", _N_COUNTERS)
     lib.ckptfs_fuse_counters(out, _N_COUNTERS)
@@ -489,6 +510,7 @@ def stats() -> dict[str, object]:
     if out[_N_OPCODES]:
         requests["OTHER"] = int(out[_N_OPCODES])
     return {"fuse_fastpath": hooked(), "fuse_requests": requests, "log_faults": _log_faults(),
+            "fuse_killpriv_v2": killpriv_v2(),
             "fuse_write_bytes": int(out[_N_OPCODES + 1]),
             "fuse_getxattr_answered_in_c": int(out[_N_OPCODES + 2]),
             "fuse_read_answered_in_c": int(out[_N_OPCODES + 4]),

@@ -161,6 +161,8 @@ class CkptfsOperations(pyfuse3.Operations):
             kw["mtime_ns"] = attr.st_mtime_ns
         if fields.update_ctime:
             kw["ctime_ns"] = attr.st_ctime_ns
+        if fastpath.kill_asked(inode):      # a truncate or chown: suid/sgid go first
+            self.fs.kill_privs(inode)
         return self._entry(self.fs.setattr(inode, **kw))
 
     @_errno_edge
@@ -245,6 +247,8 @@ class CkptfsOperations(pyfuse3.Operations):
 
     @_errno_edge
     async def open(self, inode, flags, ctx):
+        if fastpath.kill_asked(inode):      # an O_TRUNC open: suid/sgid go first
+            self.fs.kill_privs(inode)
         fh = self.fs.open(inode, flags)
         # Only ckptfs changes these files, so the page cache stays valid.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
@@ -270,6 +274,9 @@ class CkptfsOperations(pyfuse3.Operations):
 
     @_errno_edge
     async def write(self, fh, off, buf):
+        ino = self.fs.handle(fh).ino
+        if fastpath.kill_asked(ino):        # before the bytes, as the VFS does
+            self.fs.kill_privs(ino)
         return await self.fs.write(fh, off, buf)
 
     @_errno_edge

@@ -230,6 +230,16 @@ static int init_seen;
 static uint64_t init_unique;
 static int init_replied;
 static uint16_t max_background;     /* 0: what libfuse says (the kernel's 12) */
+/* FUSE_HANDLE_KILLPRIV_V2: asked for by the daemon, offered by the kernel's
+ * INIT, put in the INIT reply.  With it the kernel stops asking GETXATTR
+ * before every write() (the mount gets SB_NOSEC) and instead flags the
+ * requests after which suid/sgid must go; the nodeids of those passed on are
+ * kept for the daemon (trio thread only: fp_read and ckptfs_fuse_kill_asked). */
+static int killpriv_wanted, killpriv_offered, killpriv_on;
+#define FP_KILL_MAX 256
+static uint64_t kill_inos[FP_KILL_MAX];
+static size_t n_kill;
+static int kill_overflow;           /* a flag lost: every ask says yes from then on */
 /* Whether waiting pays: waits that saw the next question earn credit, waits
  * that timed out cost more; without credit, only every FP_PROBE_EVERY-th
  * answer waits, to notice a writer that became a small-piece writer. */
@@ -268,6 +278,49 @@ void ckptfs_fuse_splice_writes(int on)
 void ckptfs_fuse_max_background(unsigned n)
 {
     max_background = n > 0xffff ? 0xffff : (uint16_t)n;
+}
+
+void ckptfs_fuse_killpriv_v2(int on)
+{
+    killpriv_wanted = on != 0;
+}
+
+int ckptfs_fuse_killpriv_v2_on(void)
+{
+    return __atomic_load_n(&killpriv_on, __ATOMIC_ACQUIRE);
+}
+
+int ckptfs_fuse_kill_asked(uint64_t ino)
+{
+    if (kill_overflow)
+        return 1;
+    for (size_t i = 0; i < n_kill; i++)
+        if (kill_inos[i] == ino) {
+            kill_inos[i] = kill_inos[--n_kill];
+            return 1;
+        }
+    return 0;
+}
+
+/* A request passed on to the daemon: does it carry the kernel's "kill
+ * suid/sgid" (a WRITE, a SETATTR (truncate, chown), an OPEN with O_TRUNC)? */
+static void note_kill(const struct fuse_in_header *in)
+{
+    const void *arg = in + 1;
+    size_t left = in->len >= sizeof *in ? in->len - sizeof *in : 0;
+    int kill = 0;
+    if (in->opcode == FUSE_WRITE && left >= sizeof(struct fuse_write_in))
+        kill = (((const struct fuse_write_in *)arg)->write_flags & FUSE_WRITE_KILL_SUIDGID) != 0;
+    else if (in->opcode == FUSE_SETATTR && left >= sizeof(struct fuse_setattr_in))
+        kill = (((const struct fuse_setattr_in *)arg)->valid & FATTR_KILL_SUIDGID) != 0;
+    else if (in->opcode == FUSE_OPEN && left >= sizeof(struct fuse_open_in))
+        kill = (((const struct fuse_open_in *)arg)->open_flags & FUSE_OPEN_KILL_SUIDGID) != 0;
+    if (!kill)
+        return;
+    if (n_kill < FP_KILL_MAX)
+        kill_inos[n_kill++] = in->nodeid;
+    else
+        kill_overflow = 1;
 }
 
 int ckptfs_fuse_hooked(void)
@@ -733,6 +786,9 @@ static void count(const struct fuse_in_header *in, size_t len)
     else if (in->opcode == FUSE_INIT && !init_seen) {
         init_unique = in->unique;
         init_seen = 1;
+        const size_t need = sizeof *in + offsetof(struct fuse_init_in, flags) + sizeof(uint32_t);
+        killpriv_offered = len >= need &&
+            (((const struct fuse_init_in *)(in + 1))->flags & FUSE_HANDLE_KILLPRIV_V2) != 0;
     }
 }
 
@@ -1160,6 +1216,8 @@ static int touches_only_nodeid(uint32_t opcode)
  * answered here until the daemon opens their windows again. */
 static void passing_on(const struct fuse_in_header *in)
 {
+    if (killpriv_on)
+        note_kill(in);
     if (n_windows == 0)
         return;
     if (!touches_only_nodeid(in->opcode)) {
@@ -1569,14 +1627,30 @@ static void limit_max_write(struct iovec *iov, int iovcnt)
     splice_init_done = 2;       /* set to 1 once the reply is written */
 }
 
+/* The INIT reply about to go out: FUSE_HANDLE_KILLPRIV_V2 when the daemon
+ * wants it and the kernel offered it (libfuse 3.14 cannot ask for it).  1 if
+ * it was put in. */
+static int ask_killpriv_v2(struct iovec *iov, int iovcnt)
+{
+    const size_t need = offsetof(struct fuse_init_out, flags) + sizeof(uint32_t);
+    const struct fuse_out_header *out = iov[0].iov_base;
+    if (!killpriv_wanted || !killpriv_offered || out->error != 0 || iovcnt < 2
+            || iov[1].iov_len < need)
+        return 0;
+    ((struct fuse_init_out *)iov[1].iov_base)->flags |= FUSE_HANDLE_KILLPRIV_V2;
+    return 1;
+}
+
 static ssize_t fp_writev(int fd, struct iovec *iov, int iovcnt, void *userdata)
 {
     (void)userdata;
+    int killpriv = 0;
     if (init_seen && !init_replied && iovcnt > 0
             && iov[0].iov_len >= sizeof(struct fuse_out_header)
             && ((const struct fuse_out_header *)iov[0].iov_base)->unique == init_unique) {
         raise_background(iov, iovcnt);
         limit_max_write(iov, iovcnt);
+        killpriv = ask_killpriv_v2(iov, iovcnt);
     }
     ssize_t res = writev(fd, iov, iovcnt);
     if (res >= 0 && init_seen && !init_replied && iovcnt > 0
@@ -1585,6 +1659,8 @@ static ssize_t fp_writev(int fd, struct iovec *iov, int iovcnt, void *userdata)
         if (out->unique == init_unique) {
             if (splice_init_done == 2)
                 __atomic_store_n(&splice_init_done, 1, __ATOMIC_RELEASE);
+            if (killpriv)
+                __atomic_store_n(&killpriv_on, 1, __ATOMIC_RELEASE);
             __atomic_store_n(&init_replied, 1, __ATOMIC_RELEASE);
         }
     }
@@ -1647,6 +1723,9 @@ void fuse_session_destroy(struct fuse_session *se)
     }
     splice_state = 0;
     splice_init_done = 0;
+    killpriv_on = killpriv_offered = 0;
+    n_kill = 0;
+    kill_overflow = 0;
     if (real != NULL)
         real(se);
 }

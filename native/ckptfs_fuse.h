@@ -99,6 +99,17 @@ void ckptfs_fuse_splice_writes(int on);
  * the fast path was not wanted, or installing it failed. */
 int ckptfs_fuse_hooked(void);
 
+/* Ask for FUSE_HANDLE_KILLPRIV_V2 in the INIT reply (call before the mount;
+ * on: 1).  With it the kernel asks no GETXATTR("security.capability") before
+ * each write() and the daemon clears suid/sgid where the kernel says:
+ * ckptfs_fuse_kill_asked(ino) is 1, once per request passed on (a WRITE, a
+ * SETATTR, an OPEN) that carries the kernel's kill flag for ino (always 1
+ * after more than 256 were not taken).  ckptfs_fuse_killpriv_v2_on: 1 once
+ * the INIT reply that asked for it went out.  Trio thread only. */
+void ckptfs_fuse_killpriv_v2(int on);
+int ckptfs_fuse_killpriv_v2_on(void);
+int ckptfs_fuse_kill_asked(uint64_t ino);
+
 /* Before pyfuse3.init(): the INIT reply asks the kernel for n background
  * requests in flight (readahead READs, writeback WRITEs; its default is 12)
  * and a congestion threshold of 3n/4; 0 leaves libfuse's reply as it is.

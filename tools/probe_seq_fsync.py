@@ -8,6 +8,8 @@ then fsync; the write and the fsync timed apart, and every daemon thread's CPU
     PYSPY=/path/prefix  also records the daemon with py-spy (--idle --threads
                         --nonblocking, 250 Hz, raw) for the whole rep; py-spy from
                         $PY_SPY or PATH
+    PERF=/path/prefix   also records the daemon with `perf record -F 999 -g` over the
+                        write phase only (stopped before the fsync)
     PERTHREAD=1         also prints each daemon thread's CPU (ms/MiB, by name and id)
                         for the write and for the fsync
     SLEEP=S             waits S seconds between the last write and the fsync
@@ -81,6 +83,13 @@ def run(root: str, opts: list[str], gib: int = 2) -> None:
                                     "--nonblocking", "-r", "250", "-f", "raw", "-o", dest],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(0.5)
+        perf = None
+        if os.environ.get("PERF"):
+            dest = f"{os.environ['PERF']}-{os.path.basename(root)}-{time.time():.0f}.data"
+            perf = subprocess.Popen(["perf", "record", "-F", "999", "-g", "-p", str(m.pid),
+                                     "-o", dest], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+            time.sleep(0.5)
         c0, t0 = thread_cpu(m.pid), time.monotonic()
         fd = os.open(f"{root}/f", os.O_WRONLY | os.O_CREAT, 0o644)
         for i in range(gib * 1024):
@@ -91,6 +100,10 @@ def run(root: str, opts: list[str], gib: int = 2) -> None:
         if os.environ.get("SLEEP"):
             time.sleep(float(os.environ["SLEEP"]))
         c1, t1 = thread_cpu(m.pid), time.monotonic()
+        if perf is not None:
+            perf.send_signal(2)
+            perf.wait()
+            c1, t1 = thread_cpu(m.pid), time.monotonic()
         os.fsync(fd)
         c2, t2 = thread_cpu(m.pid), time.monotonic()
         os.close(fd)

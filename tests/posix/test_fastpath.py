@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,9 +35,14 @@ def write_pieces(path: Path, pieces: int, size: int = 8192, flags: int = 0) -> N
         os.close(fd)
 
 
-def test_small_writes_are_answered_without_python(mounted):
+def test_small_writes_are_answered_without_python(make_mount, monkeypatch):
+    """Without FUSE_HANDLE_KILLPRIV_V2 (CKPTFS_NO_KILLPRIV_V2=1) the kernel asks
+    before every write() and C answers."""
+    monkeypatch.setenv("CKPTFS_NO_KILLPRIV_V2", "1")
+    mounted = make_mount()
     before = mounted.stat()
     assert before["fuse_fastpath"] is True
+    assert before["fuse_killpriv_v2"] is False
     write_pieces(mounted.path / "f", 1024, flags=os.O_CREAT | os.O_EXCL)
     after = mounted.stat()
     asked = after["fuse_requests"]["GETXATTR"] - before["fuse_requests"].get("GETXATTR", 0)
@@ -44,9 +52,66 @@ def test_small_writes_are_answered_without_python(mounted):
     assert after["fuse_write_bytes"] - before["fuse_write_bytes"] == 1024 * 8192
 
 
+def test_with_killpriv_v2_the_kernel_does_not_ask_before_every_write(mounted):
+    """The INIT reply takes FUSE_HANDLE_KILLPRIV_V2: the mount is SB_NOSEC, so
+    the kernel asks about security.capability once, not once per write()."""
+    before = mounted.stat()
+    assert before["fuse_killpriv_v2"] is True
+    write_pieces(mounted.path / "f", 1024, flags=os.O_CREAT | os.O_EXCL)
+    after = mounted.stat()
+    asked = after["fuse_requests"].get("GETXATTR", 0) - before["fuse_requests"].get("GETXATTR", 0)
+    assert asked <= 2, asked
+    assert after["fuse_write_bytes"] - before["fuse_write_bytes"] == 1024 * 8192
+
+
+# What a caller without CAP_FSETID does to a set-user-ID / set-group-ID file
+# (root, its bounding set without CAP_FSETID), and what ext4 leaves after it.
+_NO_FSETID = ["setpriv", "--bounding-set=-fsetid", "--inh-caps=-fsetid"]
+_ACTIONS = {
+    "write": "fd = os.open(p, os.O_WRONLY); os.write(fd, b'y' * 10); os.close(fd)",
+    "truncate": "os.truncate(p, 100)",
+    "open O_TRUNC": "os.close(os.open(p, os.O_WRONLY | os.O_TRUNC))",
+    "chown": "os.chown(p, 0, 0)",
+}
+
+
+@pytest.mark.parametrize("killpriv", [True, False])
+@pytest.mark.parametrize("action", sorted(_ACTIONS))
+def test_set_id_bits_go_as_on_ext4(make_mount, monkeypatch, fsck_clean, killpriv, action):
+    """With FUSE_HANDLE_KILLPRIV_V2 the kernel leaves clearing suid/sgid to the
+    daemon (the request's flag): a write, truncate, O_TRUNC open or chown by a
+    caller without CAP_FSETID clears both (sgid: the group may execute), as on
+    ext4; a write by root with CAP_FSETID keeps them. Without it (before
+    seq17), the kernel's own SETATTR did it, except for the O_TRUNC open."""
+    if not killpriv:
+        monkeypatch.setenv("CKPTFS_NO_KILLPRIV_V2", "1")
+    m = make_mount()
+    assert m.stat()["fuse_killpriv_v2"] is killpriv
+    p = m.path / "tool"
+    write_pieces(p, 1, flags=os.O_CREAT | os.O_EXCL)
+    os.chmod(p, 0o6777)
+    subprocess.run([sys.executable, "-c", f"import os; p = {str(p)!r}; {_ACTIONS['write']}"],
+                   check=True)      # root, with CAP_FSETID: kept
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o6777
+    subprocess.run(_NO_FSETID + [sys.executable, "-c", f"import os; p = {str(p)!r}; "
+                                 f"{_ACTIONS[action]}"], check=True)
+    if not killpriv and action == "open O_TRUNC":
+        return          # the kernel's own path never cleared them there (ckptfs before seq17)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o0777
+    m.remount()
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o0777          # committed, not a cache
+    fsck_clean(m)
+
+
+@pytest.mark.parametrize("killpriv", [True, False])
 @pytest.mark.parametrize("created_here", [True, False])
 def test_a_write_strips_a_capability_set_after_the_fast_path_answered(make_mount, fsck_clean,
-                                                                      created_here):
+                                                                      monkeypatch, created_here,
+                                                                      killpriv):
+    """killpriv: with FUSE_HANDLE_KILLPRIV_V2 the kernel asks once per file
+    (S_NOSEC), and again after security.capability is set: it still strips it."""
+    if not killpriv:
+        monkeypatch.setenv("CKPTFS_NO_KILLPRIV_V2", "1")
     m = make_mount()
     path = m.path / "tool"
     if created_here:
@@ -56,7 +121,7 @@ def test_a_write_strips_a_capability_set_after_the_fast_path_answered(make_mount
         m.remount()
         write_pieces(path, 4)       # marked when Python answered ENODATA once
     answered = m.stat()["fuse_getxattr_answered_in_c"]
-    assert answered >= 3
+    assert answered >= (0 if killpriv else 3)
     os.setxattr(path, CAPS, CAP_NET_RAW)
     assert os.getxattr(path, CAPS) == CAP_NET_RAW
     write_pieces(path, 1)       # the kernel must see the capability and remove it
