@@ -808,3 +808,41 @@ def test_a_journaled_table_takes_each_commits_changes_without_a_pass_over_it(tmp
     again = Index(str(tmp_path / "index"))
     assert {k: bytes(v) for k, v in again._items("xattrs", keys(0), keys(3000))} == model
     again.close()
+
+
+def test_a_batch_goes_into_lmdb_in_key_order(tmp_path):
+    """A batch's keys, put in any order, go into LMDB in key order: LMDB
+    halves a full page unless the new key goes last, so 6,000 records in a
+    shuffled order took ~1.6x the leaf pages of the same records sorted (a
+    read after a cache drop faults every page in). Both kinds of layer:
+    puts only (one bulk call) and puts with a delete (key by key)."""
+    rng = random.Random(11)
+    order = rng.sample(range(6000), 6000)
+    value = bytes(72)
+
+    def leaf_pages(index: Index, table: str) -> int:
+        with index.env.begin() as txn:
+            return txn.stat(index._dbs[table])["leaf_pages"]
+
+    index = Index(str(tmp_path / "index"))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(index.run_committer, lambda ranges: None, trio.CapacityLimiter(1))
+            for k in order:                     # puts only
+                index._put("xattrs", keys(k), value)
+                index._put("symlinks", keys(k), value)
+            index._delete("symlinks", keys(6001))   # this layer key by key
+            await index.wait_durable(index.current_seq())
+            index.stop()
+
+    trio.run(main)
+    packed = Index(str(tmp_path / "packed"))
+    packed.write_direct(lambda txn: [txn._put("xattrs", keys(k), value) for k in range(6000)])
+    want = leaf_pages(packed, "xattrs")
+    assert leaf_pages(index, "xattrs") <= want + 1
+    assert leaf_pages(index, "symlinks") <= want + 1
+    assert list(index._items("symlinks", keys(0), keys(7000))) == [
+        (keys(k), value) for k in range(6000)]
+    index.close()
+    packed.close()
