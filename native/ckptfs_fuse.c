@@ -16,6 +16,7 @@
 #include <limits.h>
 #include <poll.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -126,7 +127,8 @@ typedef size_t (*fp_hint_fn)(int, const ckptfs_rx_extent *, size_t, uint64_t, ui
 
 typedef struct {
     uint64_t ino;                   /* 0: a free slot */
-    int fd;
+    int fd;                         /* the daemon's log fd (the mapping's) */
+    int own;                        /* 1 + the reader's own open file of the log; 0: none */
     const ckptfs_rx_extent *ext;
     size_t n;
     const uint8_t *crcs;
@@ -142,6 +144,21 @@ typedef struct {
 } fp_table;
 
 static fp_table tables[FP_READ_SLOTS];
+
+/* The fd a table's log bytes are read through: its own open file of the
+ * log when it has one, so the kernel keeps a read-ahead state per reader. */
+static int reader_fd(const fp_table *t)
+{
+    return t->own ? t->own - 1 : t->fd;
+}
+
+/* Close t's own file of the log; no READ of it may be in the pool. */
+static void own_close(fp_table *t)
+{
+    if (t->own)
+        close(t->own - 1);
+    t->own = 0;
+}
 static uint64_t table_clock;
 static fp_read_fn read_extents;
 static fp_hint_fn hint_extents;
@@ -576,8 +593,26 @@ int ckptfs_fuse_read_table(uint64_t ino, int log_fd, uintptr_t ext, size_t n, ui
     if (t->ino != ino) {
         t->read_to = t->hinted_to = 0;
         t->ino = ino;
+        own_close(t);           /* (quiesced above: the slot was another file's) */
+    }
+    if (t->fd != log_fd && t->own) {
+        quiesce(t);
+        own_close(t);
     }
     t->fd = log_fd;
+    /* Its own open file of the log (a reader moving on keeps it): the pool's
+     * and the copying path's reads through it drive the kernel's read-ahead
+     * for this reader alone, in large folios, as a process reading its own
+     * file gets. The log fd's one read-ahead state, shared by every reader,
+     * saw no sequential stream, and WILLNEED hints read 4 KiB pages (disk
+     * requests of at most ~1 MiB) with the page allocation on this thread. */
+    if (!t->own) {
+        char path[40];
+        snprintf(path, sizeof path, "/proc/self/fd/%d", log_fd);
+        int own = open(path, O_RDONLY | O_CLOEXEC);
+        if (own >= 0)
+            t->own = own + 1;   /* else the hints, through the log fd */
+    }
     map_log(log_fd);
     t->ext = (const ckptfs_rx_extent *)ext;
     t->n = n;
@@ -646,6 +681,7 @@ void ckptfs_fuse_read_forget(uint64_t ino)
     fp_table *t = table_of(ino);
     if (t != NULL && ino != 0) {
         quiesce(t);             /* then inflight is 0 and no job can raise it */
+        own_close(t);
         memset(t, 0, sizeof *t);
     }
 }
@@ -824,8 +860,8 @@ static void hint_ahead(fp_table *t, uint64_t off, uint64_t end)
         if (write(ahead_fd, &one, sizeof one) < 0)
             t->next_asked = 0;  /* (the counter is full: cannot happen) */
     }
-    if (!sequential || t->hinted_to >= end + FP_HINT_BYTES / 2)
-        return;
+    if (!sequential || t->own || t->hinted_to >= end + FP_HINT_BYTES / 2)
+        return;                 /* own file: the kernel reads ahead for it */
     /* From the READ's own bytes when they were not asked for yet (a reader's
      * first READ, or its first after a jump): their disk reads are queued
      * first, not behind the 16 MiB ahead of them. */
@@ -864,7 +900,7 @@ static int submit(int fd, const struct fuse_in_header *in, const struct fuse_rea
     job.fh = rd->fh;
     job.offset = rd->offset;
     job.size = size;
-    job.log_fd = t->fd;
+    job.log_fd = reader_fd(t);
     job.n = count;
     job.n_crcs = n_crcs;
     job.inflight = &t->inflight;
@@ -1091,7 +1127,7 @@ static int answer_read(int fd, const struct fuse_in_header *in, size_t len)
     }
     /* From the page cache only: waiting for the disk would stall every
      * other request; the daemon sends such a read to a worker thread. */
-    int rc = read_extents(t->fd, t->ext + first, count, t->crcs, t->n_crcs, FP_BLOCK_BYTES,
+    int rc = read_extents(reader_fd(t), t->ext + first, count, t->crcs, t->n_crcs, FP_BLOCK_BYTES,
                           off, reply_buf, (size_t)size, reply_buf + FP_READ_MAX, 1, &err);
     ssize_t w = 0;
     if (rc == 0) {

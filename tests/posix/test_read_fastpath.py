@@ -461,3 +461,46 @@ def test_session_end_with_reads_on_c_threads(make_mount, fsck_clean, how):
     finally:
         os.close(fd)
     check_clean(fsck_clean, m)
+
+
+def _log_fds(m) -> int:
+    """How many of the daemon's fds are open files of its log."""
+    log = os.path.realpath(m.source / ".ckptfs" / "pmem.log")
+    n = 0
+    for name in os.listdir(f"/proc/{m.pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{m.pid}/fd/{name}") == log
+        except OSError:
+            pass                # closed meanwhile
+    return n
+
+
+def test_each_reader_reads_the_log_through_its_own_open_file(make_mount, fsck_clean):
+    """Two files read at once after their log pages left the cache: each
+    reader's table gets an open file of the log of its own (the kernel's
+    read-ahead follows that reader alone, in large folios, instead of
+    WILLNEED hints of 4 KiB pages through the one shared fd), and the
+    bytes are the files'."""
+    m = make_mount(options=["pmem_size=256M"], over_itself=False)
+    want = [rand(40 * MiB + 99, 31), rand(40 * MiB + 7, 32)]
+    for i, data in enumerate(want):
+        (m.path / f"f{i}").write_bytes(data)
+    m.remount()
+    drop_log_pages(m)
+    shared = _log_fds(m)
+    fds = [os.open(m.path / f"f{i}", os.O_RDONLY) for i in range(2)]
+    try:
+        got = [bytearray(), bytearray()]
+        for off in range(0, max(map(len, want)), MiB):
+            for i, fd in enumerate(fds):
+                got[i] += os.pread(fd, MiB, off)
+            if off == 8 * MiB:
+                assert _log_fds(m) >= shared + 2, "the readers read through the log's one fd"
+        assert [bytes(g) for g in got] == want
+    finally:
+        for fd in fds:
+            os.close(fd)
+    after = m.stat()
+    assert after["fuse_read_handed_back"] == 0
+    assert after["errors"] == {}
+    check_clean(fsck_clean, m)
