@@ -464,18 +464,20 @@ class BatchLayer(dict):
     `peekitem`): a batch's layer, and a table of the journaled layer. Its
     keys are sorted the first time a read asks for them in order, then kept
     sorted as keys are added (an `update` merges its new keys in, one pass
-    over the list): a commit's ~150 puts
+    over the list, if they were read in order since the last update; else
+    they are sorted again when next asked): a commit's ~150 puts
     were a SortedDict insert each (a third of them ever read in order: the
     extents a punch looks up), and so were the ~50 extents each commit folds
     into the journaled `extents` table. Changed on the trio thread only; a
     worker reads a table only once sorted and never changed again (a
     journaled table it holds is copied before the next fold)."""
 
-    __slots__ = ("_keys",)
+    __slots__ = ("_keys", "_read")
 
     def __init__(self) -> None:
         super().__init__()
         self._keys: Optional[list[bytes]] = None
+        self._read = False          # read in order since the last update
 
     def __setitem__(self, key: bytes, value: Optional[bytes]) -> None:
         if self._keys is not None and key not in self:
@@ -485,9 +487,13 @@ class BatchLayer(dict):
     def update(self, items: "Iterable[tuple[bytes, Optional[bytes]]] | dict[bytes, Optional[bytes]]"  # type: ignore[override]
                ) -> None:
         keys = self._keys
-        if keys is None:
+        if keys is None or not self._read:
+            # Not read in order since it was last sorted (a table of chunks
+            # a rare scan sorted): sorted again, whole, if ever asked.
             dict.update(self, items)
+            self._keys = None
             return
+        self._read = False
         changes = items if isinstance(items, dict) else dict(items)    # a key once, its last value
         new = sorted(k for k in changes if k not in self)
         dict.update(self, changes)
@@ -513,13 +519,16 @@ class BatchLayer(dict):
         dict.update(other, self)
         if self._keys is not None:
             other._keys = list(self._keys)
+            other._read = self._read
         return other
 
     def clear(self) -> None:
         dict.clear(self)
         self._keys = None
+        self._read = False
 
     def _sorted(self) -> list[bytes]:
+        self._read = True
         keys = self._keys
         if keys is None:
             keys = self._keys = sorted(dict.keys(self))
