@@ -413,6 +413,7 @@ class FileData:
         df.pending_ids.clear()
         df.trunc_to = None
         df.mtime_ns = df.ctime_ns = None
+        self.stager.reopen_after_commit(df)
         return inode
 
     @staticmethod

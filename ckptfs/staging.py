@@ -389,6 +389,15 @@ class WriteStager:
         if not opened:
             self.drop_rewrite_space(df)
 
+    def reopen_after_commit(self, df: DirtyFile) -> None:
+        """df's changes are in the index's batch: a file being rewritten gets
+        its rewrite window back on the space it kept through the cut, so the
+        next cycle's first rewrite is answered in C like the others (it went
+        to the daemon, which reserved space afresh: one Python WRITE per
+        fsync of a random-write loop)."""
+        if df.rewrite_space is not None:
+            self.open_rewrite_window(df)
+
     def fold_written(self, df: DirtyFile, file_off: int, log_off: int, length: int) -> bool:
         """A stream write the fast path answered (its bytes at log_off, in
         the window `open_window` gave): into the overlay and the feed's order
@@ -565,8 +574,11 @@ class WriteStager:
     async def cut_for_commit(self, df: DirtyFile) -> None:
         """Cut every byte of df not yet cut into chunks and store each once:
         the stream's unfinished tail, then whatever was written out of order.
-        New writes to the file wait meanwhile (none is answered in C)."""
-        self.close_window(df)
+        New writes to the file wait meanwhile (none is answered in C). A
+        rewrite window's space stays the file's: `reopen_after_commit` opens
+        the window on it again."""
+        if self.windows is not None:
+            self.windows.write_close(df.ino)
         async with df.cutting():
             stream = df.stream
             if stream is not None and stream.alive and stream.chunker is not None \

@@ -73,6 +73,41 @@ def test_rewrites_are_answered_in_c_and_byte_exact(make_mount, fsck_clean):
     check_clean(fsck_clean, m)
 
 
+def test_the_window_stays_open_across_an_fsync(make_mount, fsck_clean):
+    """A commit gives a file being rewritten its rewrite window back: every
+    rewrite of the cycles after the first is answered in C (the first of
+    each cycle went to the daemon before, which opened the window again),
+    the bytes read back as written through fsyncs, reads and a remount."""
+    m = make_mount(options=["pmem_size=512M", "sync=close"])
+    path = m.path / "rand.bin"
+    want = bytearray(pattern(16 * MiB, seed=6))
+    path.write_bytes(want)
+    rng = random.Random(7)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        _rewrite(fd, want, rng, 16, 4 * KiB, 0)
+        os.fsync(fd)
+        stat = control.request(str(m.path), "stat")
+        writes, in_c = stat["fuse_requests"].get("WRITE", 0), stat["fuse_write_answered_in_c"]
+        for cycle in range(1, 25):
+            _rewrite(fd, want, rng, 16, 4 * KiB, cycle)
+            os.fsync(fd)
+            if cycle % 8 == 0:
+                push_to_daemon(fd)
+                assert pread_all(fd, len(want), 0) == want, f"cycle {cycle}"
+        stat = control.request(str(m.path), "stat")
+        writes = stat["fuse_requests"]["WRITE"] - writes
+        in_c = stat["fuse_write_answered_in_c"] - in_c
+        # Only a write right after a read (a request about the file closes
+        # the window in C) goes to the daemon: 2 here; 24 more before.
+        assert writes >= 300 and writes - in_c <= 2, (writes, in_c)
+    finally:
+        os.close(fd)
+    m.remount()
+    assert read_file(path) == want
+    check_clean(fsck_clean, m)
+
+
 def test_rewrites_beside_a_stream_and_a_truncate(make_mount, fsck_clean):
     """A file streamed a MiB at a time with rewrites of what it already has in
     between (the stream's next WRITE still goes to the daemon, which streams
