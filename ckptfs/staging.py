@@ -23,7 +23,11 @@ trio thread (`_feed_behind`). Until it has caught up the bytes are staged
 like any other: a read or a commit of the file waits for the feed
 (`DirtyFile.quiesce`), and nothing staged is ever durable, so a crash before
 the feed ends loses only bytes no fsync or close covered. At most
-FEED_BACKLOG_BYTES wait for the feed; a write past that waits for it.
+FEED_BACKLOG_BYTES wait for the feed; a write past that waits for it. Writes
+answered in C (below) may run up to WINDOW_BACKLOG_BYTES ahead of the feed:
+theirs are log bytes the feed reads back, not memory, and a WRITE the window
+has no room for goes through the interpreter (pyfuse3's copy, the handler,
+the wait), which on a CPU-bound writer cost more than the feed's lead.
 
 With the FUSE channel's fast path on, a stream's next writes are answered
 in C (native/ckptfs_fuse.h): after a stream write the stager opens the
@@ -81,6 +85,8 @@ ARENA_BYTES = 64 << 20           # log space a write stream reserves at a time
 CUT_READ_BYTES = 4 << 20         # commit-time cutting reads staged bytes this much at a time
 INLINE_BYTES = 64 * 1024         # byte work up to this size runs on the trio thread
 FEED_BACKLOG_BYTES = 32 << 20    # stream bytes answered but not yet fed, at most
+# ... answered in C: log bytes the feed reads back as it goes, no memory held
+WINDOW_BACKLOG_BYTES = 128 << 20
 FEED_CALL_BYTES = 8 << 20        # fed in one worker-thread call, at most
 FOLD_PIECE_BYTES = 2 << 20       # writes answered in C are fed in pieces of this much
 REWRITE_SPACE_BYTES = 1 << 20    # log space a rewrite window reserves at a time, at most
@@ -309,7 +315,7 @@ class WriteStager:
             return
         arena = stream.arena
         room = min(arena.log_off + arena.length - stream.cursor,
-                   FEED_BACKLOG_BYTES - stream.ready_bytes,
+                   WINDOW_BACKLOG_BYTES - stream.ready_bytes,
                    MAX_FILE_BYTES - stream.next_off)
         if room <= 0:
             self.windows.write_close(df.ino)

@@ -12,6 +12,8 @@ then fsync; the write and the fsync timed apart, and every daemon thread's CPU
                         write phase only (stopped before the fsync)
     PERTHREAD=1         also prints each daemon thread's CPU (ms/MiB, by name and id)
                         for the write and for the fsync
+    STATS=1             also prints the fast path's WRITE counters (`ckptfs stat`:
+                        answered in C, passed on) over the rep
     SLEEP=S             waits S seconds between the last write and the fsync
     PROBE_DIR=D         scratch directory (default /var/tmp/probe-seq-fsync): D/p-on,
                         D/p-off, removed after each run
@@ -90,6 +92,7 @@ def run(root: str, opts: list[str], gib: int = 2) -> None:
                                      "-o", dest], stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
             time.sleep(0.5)
+        s0 = m.stat() if os.environ.get("STATS") else None
         c0, t0 = thread_cpu(m.pid), time.monotonic()
         fd = os.open(f"{root}/f", os.O_WRONLY | os.O_CREAT, 0o644)
         for i in range(gib * 1024):
@@ -127,6 +130,13 @@ def run(root: str, opts: list[str], gib: int = 2) -> None:
             names = thread_names(m.pid)
             print(f"  write, ms/MiB per thread: {per_thread(c0, c1, names, mib)}")
             print(f"  fsync, ms/MiB per thread: {per_thread(c1, c2, names, mib)}", flush=True)
+        if s0 is not None:
+            s1 = m.stat()
+            print("  WRITEs: " + ", ".join(f"{k} {s1.get(k, 0) - s0.get(k, 0)}" for k in (
+                "fuse_write_answered_in_c", "fuse_write_passed_on")) + "; requests " + ", ".join(
+                f"{k} {v - s0['fuse_requests'].get(k, 0)}"
+                for k, v in sorted(s1["fuse_requests"].items())
+                if v - s0["fuse_requests"].get(k, 0)), flush=True)
     finally:
         try:
             m.umount()

@@ -170,3 +170,55 @@ def test_a_fed_stream_is_on_its_way_to_the_disk_before_its_fsync(make_mount, ded
     m.kill()
     m.start()
     assert read_file(path) == data
+
+
+def test_writes_answered_in_c_run_ahead_of_a_held_feed(make_mount, monkeypatch, tmp_path,
+                                                       fsck_clean):
+    """A stream's WRITEs answered in C may run up to
+    staging.WINDOW_BACKLOG_BYTES (128 MiB) ahead of its chunk feed, not
+    FEED_BACKLOG_BYTES (32 MiB, what the daemon's own writes hold in memory):
+    with the feed held, 40 MiB are written back and answered, none passed on
+    to the daemon (where it would wait for the feed); then every byte is
+    fed, and the file is whole after its fsync and a remount."""
+    from ckptfs import control
+
+    marker = tmp_path / "feed-paused"
+    m = _paused_mount(make_mount, monkeypatch, marker)
+    data = pattern(41 * MiB, seed=22)
+    path = m.path / "stream.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        # The first write goes through the daemon (the stream, its log space)
+        # and starts the feed, held at its first call.
+        _write_all(fd, data[:MiB])
+        push_to_daemon(fd)
+        _wait_until(marker.exists, "the chunk feed never ran")
+        before = control.request(str(m.path), "stat")
+        _write_all(fd, data[MiB:])
+        pushed, out = in_thread(push_to_daemon, fd)
+        pushed.join(WAIT_S)
+        assert not pushed.is_alive(), "a WRITE waited for the held chunk feed"
+        assert out == [None], out
+        after = control.request(str(m.path), "stat")
+        assert after["fuse_write_passed_on"] == before["fuse_write_passed_on"], (before, after)
+        assert after["fuse_write_bytes_in_c"] - before["fuse_write_bytes_in_c"] >= 32 * MiB
+        marker.unlink()
+        os.fsync(fd)
+        assert pread_all_daemon(fd, len(data)) == data
+    finally:
+        marker.unlink(missing_ok=True)      # a failed test must not hang in close
+        os.close(fd)
+    m.remount()
+    assert read_file(path) == data
+    fsck_clean(m)
+
+
+def pread_all_daemon(fd: int, n: int) -> bytes:
+    """n bytes from offset 0, the page cache dropped first: read through the daemon."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    out = bytearray()
+    while len(out) < n:
+        piece = os.pread(fd, min(MiB, n - len(out)), len(out))
+        assert piece, "short read"
+        out += piece
+    return bytes(out)
