@@ -56,8 +56,9 @@ the map as far as the next refills can load read into memory on a worker
 thread, as `load_ahead` does, so those window loads and look-aheads do not
 wait for the disk on the trio thread. Each piece keeps
 a view of its bytes until it is withdrawn (with the window, or trimmed
-behind the reader), so the cache can evict a chunk but not reuse or free
-what C may still read.
+behind the reader and the replies that may still read it written: the trim
+itself does not wait for them, `_trim_cold`), so the cache can evict a chunk
+but not reuse or free what C may still read.
 
 `read` holds the bytes it planned with in place while it runs (the file's
 gate for uncommitted space, the reclaimer's read epochs for committed space)
@@ -113,6 +114,10 @@ if TYPE_CHECKING:
                          addresses: list[int], refill_at: int) -> int: ...
 
         def cold_trim(self, ino: int, below: int) -> None: ...
+
+        def cold_trim_later(self, ino: int, below: int) -> int: ...
+
+        def cold_drained(self, ino: int, epoch: int) -> bool: ...
 
         def cold_mark(self, ino: int, wake_at: int) -> bool: ...
 
@@ -183,6 +188,9 @@ class MapWindow:
     cold_depth: int = 0
     cold_to: int = 0                 # the published pieces' end
     cold_marked: bool = False        # its table's mark wakes cold_refill (fastpath.cold_mark)
+    # Pins trimmed from the table whose bytes replies in flight may still
+    # read: (epoch, pins) oldest first, kept until fastpath.cold_drained.
+    cold_retired: Optional[deque] = None
 
     def span(self, off: int, end: int) -> tuple[int, int]:
         """Extents [i, j) that overlap [off, end)."""
@@ -450,7 +458,7 @@ class ChunkReader:
         reuse.start <= w_start <= reuse.end < w_end; its part past w_start
         is taken from it, not read again. Trio thread."""
         if not self.log.dax:
-            window = self._load_records(ino, w_start, w_end, file_size)
+            window = self._load_records(ino, w_start, w_end, file_size, reuse)
             if window is not None:
                 return self._keep_window(window)
         if reuse is not None and reuse.rows is None:
@@ -504,8 +512,8 @@ class ChunkReader:
                            [e.chunk_no for e in extents])
         return self._keep_window(window)
 
-    def _load_records(self, ino: int, w_start: int, w_end: int, file_size: int
-                      ) -> Optional[MapWindow]:
+    def _load_records(self, ino: int, w_start: int, w_end: int, file_size: int,
+                      reuse: Optional[MapWindow] = None) -> Optional[MapWindow]:
         """`_load_window`'s window when LMDB alone holds the records of its
         extents (the common case of a committed file), from those records
         as stored: every extent a LOG chunk the executor reads, its table
@@ -513,7 +521,12 @@ class ChunkReader:
         (a cold file's), its records decoded from them (`ix.window_chunks`),
         no LMDB lookup or extent decode per extent: a cold reader's window
         loads run on the trio thread, which answers no READ meanwhile.
-        None otherwise (a mix of both, a damaged record)."""
+        None otherwise (a mix of both, a damaged record). reuse: as for
+        `_load_window`; a cold window built here gives its part past w_start
+        (`_extend_cold`)."""
+        if reuse is not None and reuse.table is None and reuse.rows is None \
+                and isinstance(reuse.extents, PackedExtents):
+            return self._extend_cold(ino, w_start, w_end, file_size, reuse)
         recs = ix.window_records(self.index, ino, w_start, w_end)
         if recs is None:
             return None
@@ -533,6 +546,35 @@ class ChunkReader:
         # Every extent slow, as the decoding loader finds them: no table.
         return MapWindow(ino, w_start, w_end, file_size, extents, ends, recs.offs, chunks,
                          list(range(n + 1)), None, None, recs.chunk_nos)
+
+    def _extend_cold(self, ino: int, w_start: int, w_end: int, file_size: int,
+                     reuse: MapWindow) -> Optional[MapWindow]:
+        """`_load_records`' cold window of [w_start, w_end) from reuse (a
+        cold window built there, dropped just before: nothing changed) and
+        the records of the stretch past its end only: a cold reader's
+        refill moves its window on by about WINDOW_BYTES, and read it all
+        again (~4 times each record, from LMDB, decoded) on the trio thread.
+        None if the new stretch is not all cold (the decoding loader reads
+        the whole window then)."""
+        recs = ix.window_records(self.index, ino, reuse.end, w_end)
+        if recs is None:
+            return None
+        new = ix.window_chunks(recs, self._ahead_records)
+        if new is None:
+            return None
+        k = bisect_right(reuse.ends, w_start)
+        # The extent reuse ends in, if any, is its last and the stretch's first.
+        m = bisect_left(recs.offs, reuse.end)
+        old = reuse.extents
+        offs = old.offs[k:] + recs.offs[m:]
+        extents = PackedExtents(offs, old.lens[k:] + recs.lens[m:],
+                                old.chunk_nos[k:] + recs.chunk_nos[m:],
+                                old.chunk_offs[k:] + recs.chunk_offs[m:])
+        ends = reuse.ends[k:] + list(map(add, recs.offs[m:], recs.lens[m:]))
+        n = len(offs)
+        return MapWindow(ino, w_start, w_end, file_size, extents, ends, offs,
+                         reuse.chunks[k:] + new[m:], list(range(n + 1)), None, None,
+                         extents.chunk_nos)
 
     def _keep_window(self, window: MapWindow) -> MapWindow:
         """Keep and publish a window just loaded."""
@@ -594,7 +636,7 @@ class ChunkReader:
         if window.cold_pins is not None and not (moving and keep_cold):
             # Likewise: the pins (the cold bytes' memory) go after the table.
             self._publisher.cold_forget(ino)
-            window.cold_pins = None
+            window.cold_pins = window.cold_retired = None
         for chunk_no in window.chunk_nos:
             users = self._chunk_users.get(chunk_no)
             if users is not None:
@@ -621,8 +663,9 @@ class ChunkReader:
         that), whose chunks the cold store holds verified, in file order, up
         to the prefetcher's depth past off; stop at the first not there yet.
         A published piece keeps (pins) the memory of its bytes until the
-        window is dropped or the reader is HINT_SLACK_BYTES past it, so the
-        cache may evict the chunk but never reuse or free what C reads from.
+        window is dropped, or the reader is HINT_SLACK_BYTES past it and the
+        replies that may read it are written (`_trim_cold`), so the cache
+        may evict the chunk but never reuse or free what C reads from.
 
         refill (a READ the daemon serves at off): pieces more than behind
         bytes behind off go,
@@ -635,41 +678,54 @@ class ChunkReader:
         ino = window.ino
         if window.cold_pins is None:
             window.cold_pins = deque()
-        pins = window.cold_pins
+        pins, retired = window.cold_pins, window.cold_retired
+        while retired and pub.cold_drained(ino, retired[0][0]):
+            retired.popleft()               # their replies are written: the pins go
         if refill:
             window.cold_from = off
             window.cold_depth = (self.prefetcher.depth_for(ino) if self.prefetcher is not None
                                  else WINDOW_BYTES)
             below = off - behind
-            if pins and pins[0][0] <= below:
-                pub.cold_trim(ino, below)       # C lets go first, then the pins go
-                while pins and pins[0][0] <= below:
-                    pins.popleft()
+            self._trim_cold(window, below)
         off, depth = window.cold_from, window.cold_depth
         k = window.cold_next
-        if k < len(window.extents) and window.ends[k] <= off:
-            k = bisect_right(window.ends, off)  # the reader jumped past
+        ends, starts, chunks = window.ends, window.offs, window.chunks
+        if k < len(ends) and ends[k] <= off:
+            k = bisect_right(ends, off)         # the reader jumped past
         stop = min(off + depth, window.end)
+        j = bisect_left(starts, stop, k)        # extents [k, j) start before stop
+        ext = window.extents
+        coffs = ext.chunk_offs if isinstance(ext, PackedExtents) \
+            else [0] * k + [e.chunk_off for e in ext[k:j]]
+        last = j
+
+        def cold_extents():
+            # The cold extents of [k, j), in order; the first whose chunk is
+            # not fetched yet (or damaged: the daemon's read says so) ends
+            # the publication. Anything else (a LOG extent, a record
+            # missing) is passed over: READs that need it come to the daemon.
+            nonlocal last
+            for i in range(k, j):
+                chunk = chunks[i]
+                if chunk is not None and chunk.kind == CHUNK_PACK:
+                    last = i
+                    if coffs[i] + ends[i] - starts[i] > chunk.length:
+                        return
+                    yield i, chunk
+            last = j
+
         offs, lens, addresses, new_pins, at = [], [], [], [], []
-        while k < len(window.extents) and window.offs[k] < stop:
-            e, chunk = window.extents[k], window.chunks[k]
-            if chunk is not None and chunk.kind == CHUNK_PACK:
-                got = self.cold.cached_piece(chunk) \
-                    if e.chunk_off + e.length <= chunk.length else None
-                if got is None:
-                    break               # not fetched yet (or damaged: the daemon's read says so)
-                view, address = got
-                s = max(e.file_off, window.start, window.cold_to)
-                t = min(e.end, window.end)
-                if t > s:
-                    offs.append(s)
-                    lens.append(t - s)
-                    addresses.append(address + e.chunk_off + s - e.file_off)
-                    new_pins.append((t, view))
-                    at.append(k)
-            # Anything else (a LOG extent, a record missing) is left out:
-            # READs that need it come to the daemon.
-            k += 1
+        w_start, w_end = window.start, window.end
+        for i, view, address in self.cold.cached_run(cold_extents()):
+            s = max(starts[i], w_start, window.cold_to)
+            t = min(ends[i], w_end)
+            if t > s:
+                offs.append(s)
+                lens.append(t - s)
+                addresses.append(address + coffs[i] + s - starts[i])
+                new_pins.append((t, view))
+                at.append(i)
+        k = last                        # the first not published, or j
         if not pins and not new_pins:
             return                              # no table, none made
         # Without a mark, READs past half the depth come to the daemon for
@@ -686,6 +742,25 @@ class ChunkReader:
                 and not window.cold_marked:
             window.cold_marked = True
             pub.cold_publish(ino, [], [], [], off + depth)
+
+    def _trim_cold(self, window: MapWindow, below: int) -> None:
+        """The pieces of window's cold table that end at or before below
+        go: C lets go of them at once, without waiting for the replies in
+        flight (the trio thread answers no READ while it waits), and their
+        pins are kept until those are written (`cold_retired`). Trio thread."""
+        pins, pub, ino = window.cold_pins, self._publisher, window.ino
+        if window.cold_retired is None:
+            window.cold_retired = deque()
+        retired = window.cold_retired
+        if pins and pins[0][0] <= below:
+            epoch = pub.cold_trim_later(ino, below)
+            gone = []
+            while pins and pins[0][0] <= below:
+                gone.append(pins.popleft())
+            if epoch >= 0:
+                retired.append((epoch, gone))
+        while retired and pub.cold_drained(ino, retired[0][0]):
+            retired.popleft()
 
     def cold_refill(self, ino: int, read_to: int) -> None:
         """ino's reader, answered from its cold table in C, passed the
@@ -706,10 +781,8 @@ class ChunkReader:
             self._drop_window(ino, old, moving=True, keep_cold=True)
             # The carried table keeps no piece the new window does not
             # name: a change to a chunk behind it would not reach it.
-            pins = old.cold_pins
-            self._publisher.cold_trim(ino, w_start)
-            while pins and pins[0][0] <= w_start:
-                pins.popleft()
+            self._trim_cold(old, w_start)
+            pins, retired = old.cold_pins, old.cold_retired
             try:
                 window = self._load_window(ino, w_start,
                                            min(read_to + depth + WINDOW_BYTES, size), size,
@@ -718,6 +791,7 @@ class ChunkReader:
                 self._publisher.cold_forget(ino)    # before the pins can go
                 raise
             window.cold_pins, window.cold_marked = pins, old.cold_marked
+            window.cold_retired = retired
             window.cold_from, window.cold_depth = old.cold_from, old.cold_depth
             # From the extent the last piece ended in: the old window cut
             # it at its end.

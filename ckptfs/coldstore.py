@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import trio
 
@@ -146,6 +146,22 @@ class ColdStore:
         if len(entry[0]) != chunk.length:
             return None             # the daemon's read of it says what is wrong
         return entry[0], entry[2]
+
+    def cached_run(self, chunks: Iterable[tuple[int, Chunk]]
+                   ) -> list[tuple[int, memoryview, int]]:
+        """`cached_piece` of each (key, chunk) in turn, under one lock, up
+        to the first that gives None: (key, bytes, address) of those before
+        it. The trio thread may call it; chunks is read with the lock held."""
+        out = []
+        with self._lock:
+            cache = self._cache
+            for key, chunk in chunks:
+                entry = cache.get(chunk.chunk_id)
+                if entry is None or len(entry[0]) != chunk.length:
+                    break
+                cache.move_to_end(chunk.chunk_id)
+                out.append((key, entry[0], entry[2]))
+        return out
 
     def cached(self, chunk: Chunk) -> bool:
         with self._lock:

@@ -295,6 +295,22 @@ def cold_trim(ino: int, below: int) -> None:
         lib.ckptfs_cold_trim(ino, below)
 
 
+def cold_trim_later(ino: int, below: int) -> int:
+    """`cold_trim` without waiting for the replies in flight: the pins of
+    the pieces dropped may go once `cold_drained(ino, e)` says so for the e
+    returned and every e before it; -1: nothing dropped (they may go now)."""
+    if lib is None or not hasattr(lib, "ckptfs_cold_trim_later"):
+        cold_trim(ino, below)
+        return -1
+    return lib.ckptfs_cold_trim_later(ino, below)
+
+
+def cold_drained(ino: int, epoch: int) -> bool:
+    """Whether the replies of ino's cold table counted in epoch are written."""
+    return lib is None or not hasattr(lib, "ckptfs_cold_drained") \
+        or lib.ckptfs_cold_drained(ino, epoch) == 1
+
+
 def cold_forget(ino: int) -> None:
     """ino's cold table is dropped: its READs go to the daemon again."""
     if lib is not None and hasattr(lib, "ckptfs_cold_forget"):

@@ -23,6 +23,10 @@
  * smallest chunks the chunker cuts is far fewer); one iov more for the
  * reply's header fits a read pool job (RP_IOV_MAX). */
 #define CT_MAX_IOV (RP_IOV_MAX - 1)
+/* In-flight counts per table, one per stretch between two trims
+ * (ckptfs_cold_trim_later), used round: a count is 0 once every reply
+ * counted in it since the last time it was 0 is written. */
+#define CT_EPOCHS 4
 
 typedef struct {
     uint64_t off, length;
@@ -37,8 +41,9 @@ typedef struct {
     uint64_t wake_at;           /* an answered READ ending past it wakes the daemon */
     uint64_t read_to;           /* where the furthest answered READ ended */
     int wake_asked;             /* 1: asked (ckptfs_cold_wanted not called yet), 2: taken */
-    unsigned inflight;          /* its READs queued or being written in the read pool
-                                   (under the pool's lock; kept with the slot) */
+    unsigned inflight[CT_EPOCHS];  /* its READs queued or being written in the read
+                                      pool, by epoch (under the pool's lock) */
+    unsigned epoch;             /* the count READs answered now go to */
 } ct_table;
 
 static ct_table tables[CT_SLOTS];
@@ -63,7 +68,7 @@ static ct_table *table_made(uint64_t ino)
             t = &tables[i];
             ct_piece *keep = t->pieces;     /* a freed slot keeps its array */
             size_t cap = t->cap;
-            /* inflight is 0: the slot was freed by ckptfs_cold_forget, which waited */
+            /* inflight is all 0: the slot was freed by ckptfs_cold_forget, which waited */
             *t = (ct_table){.ino = ino, .pieces = keep, .cap = cap, .refill_at = 0,
                             .wake_at = UINT64_MAX};
         }
@@ -119,14 +124,43 @@ size_t ckptfs_cold_publish(uint64_t ino, const uint64_t *offs, const uint64_t *l
  * waiting (a job is one writev of at most 1 MiB). */
 static void quiesce(ct_table *t)
 {
-    if (!rp_busy(&t->inflight))
-        return;
-    PyThreadState *saved = NULL;
-    if (Py_IsInitialized() && PyGILState_Check())
-        saved = PyEval_SaveThread();
-    rp_quiesce(&t->inflight);
-    if (saved != NULL)
-        PyEval_RestoreThread(saved);
+    for (unsigned e = 0; e < CT_EPOCHS; e++) {
+        if (!rp_busy(&t->inflight[e]))
+            continue;
+        PyThreadState *saved = NULL;
+        if (Py_IsInitialized() && PyGILState_Check())
+            saved = PyEval_SaveThread();
+        rp_quiesce(&t->inflight[e]);
+        if (saved != NULL)
+            PyEval_RestoreThread(saved);
+    }
+}
+
+int ckptfs_cold_trim_later(uint64_t ino, uint64_t below)
+{
+    ct_table *t = table_of(ino);
+    if (t == NULL)
+        return -1;
+    size_t first = t->first;
+    while (t->first < t->n && t->pieces[t->first].off + t->pieces[t->first].length <= below)
+        t->first++;
+    if (t->first == first)
+        return -1;
+    /* The replies in flight carry their own iovs: only the memory they
+     * point into must stay, which the caller keeps until drained. */
+    int old = (int)t->epoch;
+    t->epoch = (t->epoch + 1) % CT_EPOCHS;
+    return old;
+}
+
+int ckptfs_cold_drained(uint64_t ino, int epoch)
+{
+    ct_table *t = table_of(ino);
+    if (t == NULL)
+        return 1;               /* forgotten: ckptfs_cold_forget waited */
+    if (epoch < 0 || epoch >= CT_EPOCHS)
+        return 0;
+    return !rp_busy(&t->inflight[epoch]);
 }
 
 void ckptfs_cold_trim(uint64_t ino, uint64_t below)
@@ -244,7 +278,7 @@ int ckptfs_cold_answer(int fd, uint64_t ino, uint64_t unique, uint64_t off, uint
     job.offset = off;
     job.size = (uint32_t)size;
     job.n = (size_t)n_iov;
-    job.inflight = &t->inflight;
+    job.inflight = &t->inflight[t->epoch];
     memcpy(job.iov + 1, iov + 1, (size_t)(n_iov - 1) * sizeof *iov);
     if (rp_submit(&job)) {
         __atomic_fetch_add(&counters[3], 1, __ATOMIC_RELAXED);

@@ -44,6 +44,22 @@ size_t ckptfs_cold_publish(uint64_t ino, const uint64_t *offs, const uint64_t *l
  * briefly. */
 void ckptfs_cold_trim(uint64_t ino, uint64_t below);
 
+/* ckptfs_cold_trim without the wait: the pieces go from the table at once
+ * (no READ answered from now on reads them) while replies already queued
+ * may still read their memory, which the caller keeps until
+ * ckptfs_cold_drained(ino, the epoch returned) says 1, for this epoch and
+ * every epoch returned before it (release them in order).  -1: nothing was
+ * dropped (no table, or no piece ends at or before below).  Never blocks:
+ * a refill that trims behind its reader does not stop the READs behind it
+ * (the wait took 0-25 ms per trim on the trio thread). */
+int ckptfs_cold_trim_later(uint64_t ino, uint64_t below);
+
+/* 1 if every reply of ino's table counted in epoch (ckptfs_cold_trim_later)
+ * is written, or ino has no table (ckptfs_cold_forget waited for them all);
+ * 0 if one may still be in flight.  The counts are used round: it may say
+ * 0 for a later epoch's reply counted there too, never 1 too early. */
+int ckptfs_cold_drained(uint64_t ino, int epoch);
+
 /* Drop ino's table: its READs go to the daemon again (after its replies in
  * flight are written).  May block briefly. */
 void ckptfs_cold_forget(uint64_t ino);

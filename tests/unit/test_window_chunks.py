@@ -127,3 +127,135 @@ def test_a_chunk_in_the_log_or_a_damaged_record_gives_none(tmp_path):
             assert ix.window_chunks(one, {}) == [ix.window_chunk(index, e.chunk_no)[1]]
         finally:
             index.close()
+
+
+class _Log:
+    """The reader's log, as far as a cold window's load looks at it."""
+    dax = False
+    fd = -1
+
+
+def reader(index: Index):
+    from ckptfs.chunkread import ChunkReader
+    return ChunkReader(index, _Log(), None, None, None)
+
+
+def window_rows(w):
+    return (w.start, w.end, list(w.extents), list(w.ends), list(w.offs), w.chunks,
+            w.slow, list(w.chunk_nos))
+
+
+def test_a_cold_window_moved_on_reads_only_its_new_stretch(tmp_path, monkeypatch):
+    """A cold reader's refill moves its window on (`_load_window` with
+    reuse): the part it keeps comes from the old window, only the stretch
+    past the old end is read from the index, and the window is the one a
+    fresh load gives."""
+    rng = random.Random(4)
+    records = [pack_record(rng, rng.choice((4096, 75_000, 1 << 20))) for _ in range(30)]
+    index, size = build(tmp_path, records, seed=4)
+    try:
+        r = reader(index)
+        read = []
+        real = ix.window_records
+        monkeypatch.setattr(ix, "window_records",
+                            lambda idx, ino, a, b: read.append((a, b)) or real(idx, ino, a, b))
+        w_start, w_end = 0, size // 5
+        window = r._load_window(INO, w_start, w_end, size)
+        moves = 0
+        while w_end < size:
+            # Each move on as cold_refill makes it: back a little, on further.
+            w_start = rng.randrange(w_start, w_end + 1)
+            w_end = min(size, w_end + rng.choice((1, 4096, size // 7)))
+            del r._windows[INO]
+            r._drop_window(INO, window, moving=True)
+            read.clear()
+            old_end = window.end
+            window = r._load_window(INO, w_start, w_end, size, reuse=window)
+            assert read == [(old_end, w_end)]
+            fresh = reader(index)._load_window(INO, w_start, w_end, size)
+            assert window_rows(window) == window_rows(fresh), (w_start, w_end)
+            moves += 1
+        assert moves > 3
+    finally:
+        index.close()
+
+
+class _ColdTable:
+    """The fast path's cold table calls as the reader makes them: pieces
+    published, trims, and replies in flight per epoch (busy until let go)."""
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[int, int]] = []
+        self.blocking_trims = 0
+        self.epoch = 0
+        self.busy: set[int] = set()
+
+    def cold_publish(self, ino, offs, lens, addresses, refill_at) -> int:
+        self.pieces += zip(offs, lens)
+        return len(offs)
+
+    def cold_trim(self, ino, below) -> None:
+        self.blocking_trims += 1
+        self.pieces = [p for p in self.pieces if p[0] + p[1] > below]
+
+    def cold_trim_later(self, ino, below) -> int:
+        before = len(self.pieces)
+        self.pieces = [p for p in self.pieces if p[0] + p[1] > below]
+        if len(self.pieces) == before:
+            return -1
+        epoch, self.epoch = self.epoch, (self.epoch + 1) % 4
+        self.busy.add(epoch)            # a reply of it is being written
+        return epoch
+
+    def cold_drained(self, ino, epoch) -> bool:
+        return epoch not in self.busy
+
+    def cold_mark(self, ino, wake_at) -> bool:
+        return True
+
+    def cold_forget(self, ino) -> None:
+        self.pieces = []
+        self.busy.clear()               # it waits for every reply
+
+
+class _Cache:
+    """A cold store holding every chunk."""
+
+    def cached_run(self, chunks):
+        return [(i, memoryview(bytes(c.length)), 4096) for i, c in chunks]
+
+    def cached_piece(self, chunk):
+        return memoryview(bytes(chunk.length)), 4096
+
+
+def test_a_refill_trims_its_cold_table_without_waiting_for_replies(tmp_path):
+    """A refill drops the pieces behind its reader from the cold table
+    without waiting for the replies in flight (the trio thread answers no
+    READ meanwhile: 0-25 ms per trim, 100-175 ms per GiB read); their pins
+    stay until those replies are written, then go."""
+    from ckptfs.chunkread import ChunkReader
+    rng = random.Random(5)
+    records = [pack_record(rng, rng.choice((75_000, 1 << 20))) for _ in range(30)]
+    index, size = build(tmp_path, records, seed=5)
+    try:
+        r = ChunkReader(index, _Log(), None, None, None, cold=_Cache())
+        table = _ColdTable()
+        r.publish_to(table)
+        window = r._load_window(INO, 0, size, size)
+        r._publish_cold(window, 0, refill=True)
+        published = len(window.cold_pins)
+        assert published > 10 and len(table.pieces) == published
+        below = window.cold_pins[published // 2][0]
+        r._publish_cold(window, below, refill=True, behind=0)
+        assert table.blocking_trims == 0
+        assert all(p[0] + p[1] > below for p in table.pieces)
+        (epoch, gone), = window.cold_retired
+        assert gone and all(t <= below for t, _ in gone)
+        assert all(t > below for t, _ in window.cold_pins)
+        r._publish_cold(window, below, refill=True, behind=0)
+        assert len(window.cold_retired) == 1        # still being written: kept
+        table.busy.clear()
+        r._publish_cold(window, below, refill=True, behind=0)
+        assert not window.cold_retired              # written: gone
+    finally:
+        index.close()
