@@ -678,15 +678,14 @@ class ChunkReader:
         ino = window.ino
         if window.cold_pins is None:
             window.cold_pins = deque()
-        pins, retired = window.cold_pins, window.cold_retired
-        while retired and pub.cold_drained(ino, retired[0][0]):
-            retired.popleft()               # their replies are written: the pins go
+        pins = window.cold_pins
         if refill:
             window.cold_from = off
             window.cold_depth = (self.prefetcher.depth_for(ino) if self.prefetcher is not None
                                  else WINDOW_BYTES)
-            below = off - behind
-            self._trim_cold(window, below)
+            self._trim_cold(window, off - behind)
+        else:
+            self._release_drained(window)
         off, depth = window.cold_from, window.cold_depth
         k = window.cold_next
         ends, starts, chunks = window.ends, window.offs, window.chunks
@@ -759,7 +758,12 @@ class ChunkReader:
                 gone.append(pins.popleft())
             if epoch >= 0:
                 retired.append((epoch, gone))
-        while retired and pub.cold_drained(ino, retired[0][0]):
+        self._release_drained(window)
+
+    def _release_drained(self, window: MapWindow) -> None:
+        """Trimmed pins whose replies are all written go, oldest first."""
+        retired, pub = window.cold_retired, self._publisher
+        while retired and pub.cold_drained(window.ino, retired[0][0]):
             retired.popleft()
 
     def cold_refill(self, ino: int, read_to: int) -> None:
