@@ -311,14 +311,14 @@ class WriteStager:
             return
         stream = df.stream
         if stream is None or not stream.alive or stream.arena is None or df.retired:
-            self.windows.write_close(df.ino)
+            self._stop_answering(df)
             return
         arena = stream.arena
         room = min(arena.log_off + arena.length - stream.cursor,
                    WINDOW_BACKLOG_BYTES - stream.ready_bytes,
                    MAX_FILE_BYTES - stream.next_off)
         if room <= 0:
-            self.windows.write_close(df.ino)
+            self._stop_answering(df)
             return
         self.windows.write_window(df.ino, self.log.fd, stream.next_off, stream.cursor,
                                   stream.cursor + room)
@@ -327,9 +327,14 @@ class WriteStager:
         """No more of df's writes answered in C. None can be pending: the C
         module folds them before any Python runs on the trio thread. A
         rewrite window's space not written gives back."""
+        self._stop_answering(df)
+        self.drop_rewrite_space(df)
+
+    def _stop_answering(self, df: DirtyFile) -> None:
+        """The fast path answers none of df's writes from here (its window,
+        if any, closes; the space behind it stays where it is)."""
         if self.windows is not None:
             self.windows.write_close(df.ino)
-        self.drop_rewrite_space(df)
 
     def drop_rewrite_space(self, df: DirtyFile) -> None:
         """Give back what the rewrite window's space has left (its window
@@ -351,8 +356,7 @@ class WriteStager:
         Python runs, and a stream's writes in flight lie below its cursor."""
         freed = 0
         for df in list(dfs):
-            if self.windows is not None:
-                self.windows.write_close(df.ino)
+            self._stop_answering(df)
             space, df.rewrite_space = df.rewrite_space, None
             if space is not None and space[1] > space[0]:
                 self.log.release(space[0], space[1] - space[0])
@@ -382,7 +386,7 @@ class WriteStager:
             size = min(REWRITE_SPACE_BYTES, self.log.free_bytes // 16)
             log_off = self.log.reserve(size) if size >= REWRITE_REFILL_BYTES else None
             if log_off is None:
-                self.windows.write_close(df.ino)
+                self._stop_answering(df)
                 return
             space = df.rewrite_space = [log_off, log_off + size]
         stream = df.stream
@@ -583,8 +587,7 @@ class WriteStager:
         New writes to the file wait meanwhile (none is answered in C). A
         rewrite window's space stays the file's: `reopen_after_commit` opens
         the window on it again."""
-        if self.windows is not None:
-            self.windows.write_close(df.ino)
+        self._stop_answering(df)
         async with df.cutting():
             stream = df.stream
             if stream is not None and stream.alive and stream.chunker is not None \
