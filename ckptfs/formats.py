@@ -134,7 +134,57 @@ def safetensors_boundaries(header_bytes_prefix: Buffer) -> Optional[list[int]]:
 # ---- zip (torch.save) --------------------------------------------------------------
 
 
-class ZipBoundaries:
+class _StreamParser:
+    """What a parser of a stream fed in pieces keeps between feeds: the bytes
+    from `_keep_from` on (it may look back at them when the next feed comes)
+    and, during a feed, that feed's bytes.  A subclass parses in `_step`."""
+
+    def __init__(self) -> None:
+        self.seen = 0  # bytes fed so far
+        self._tail = b""  # bytes [self._tail_at, self.seen) kept for the next feed
+        self._tail_at = 0
+        # Scratch for the feed in progress.
+        self._view = memoryview(b"")
+        self._base = 0
+
+    def feed(self, data: Buffer) -> list[int]:
+        view = _as_bytes_view(data)
+        self._view, self._base = view, self.seen
+        self.seen += len(view)
+        out: list[int] = []
+        try:
+            while self._step(out):
+                pass
+        finally:
+            keep = min(self._keep_from(), self.seen)
+            self._tail = self._bytes(keep, self.seen) or b""
+            self._tail_at = keep
+            self._view = memoryview(b"")
+        return out
+
+    def _step(self, out: list[int]) -> bool:
+        """Parse on, appending boundaries to out; False when it needs more bytes."""
+        raise NotImplementedError
+
+    def _keep_from(self) -> int:
+        """The first stream offset a later step may still read."""
+        raise NotImplementedError
+
+    def _bytes(self, start: int, stop: int) -> Optional[bytes]:
+        """Stream bytes [start, stop) from the tail and the current feed, or
+        None if they have not all arrived."""
+        if stop > self.seen:
+            return None
+        base = self._base
+        if start >= base:
+            return bytes(self._view[start - base : stop - base])
+        head = self._tail[start - self._tail_at :]
+        if stop <= base:
+            return head[: stop - start]
+        return head + bytes(self._view[: stop - base])
+
+
+class ZipBoundaries(_StreamParser):
     """Incremental parser of a zip stream's member data boundaries.
 
     :meth:`feed` takes the stream's bytes in order and returns the boundaries
@@ -150,16 +200,11 @@ class ZipBoundaries:
     _HEADER, _SKIP, _SEARCH, _DONE, _NEXT = range(5)
 
     def __init__(self) -> None:
-        self.seen = 0  # bytes fed so far
+        super().__init__()
         self._mode = self._HEADER
         self._at = 0  # HEADER: header start; SKIP: data end; SEARCH: data start
         self._search = 0  # SEARCH/NEXT: first offset not yet ruled out as a descriptor/header
         self._compressed = False
-        self._tail = b""  # bytes [self._tail_at, self.seen) kept for the next feed
-        self._tail_at = 0
-        # Scratch for the feed in progress.
-        self._view = memoryview(b"")
-        self._base = 0
 
     @property
     def done(self) -> bool:
@@ -171,44 +216,14 @@ class ZipBoundaries:
         """Every boundary below this offset has been reported."""
         return self._tail_at if self._mode in (self._SEARCH, self._NEXT) else self.seen
 
-    def feed(self, data: Buffer) -> list[int]:
-        view = _as_bytes_view(data)
-        self._view, self._base = view, self.seen
-        self.seen += len(view)
-        out: list[int] = []
-        try:
-            while self._step(out):
-                pass
-        finally:
-            self._keep_tail()
-            self._view = memoryview(b"")
-        return out
-
     # -- internals
 
-    def _bytes(self, start: int, stop: int) -> Optional[bytes]:
-        """Stream bytes [start, stop) from the tail and the current feed, or
-        None if they have not all arrived."""
-        if stop > self.seen:
-            return None
-        base = self._base
-        if start >= base:
-            return bytes(self._view[start - base : stop - base])
-        head = self._tail[start - self._tail_at :]
-        if stop <= base:
-            return head[: stop - start]
-        return head + bytes(self._view[: stop - base])
-
-    def _keep_tail(self) -> None:
+    def _keep_from(self) -> int:
         if self._mode == self._HEADER:
-            keep = self._at
-        elif self._mode in (self._SEARCH, self._NEXT):
-            keep = self._search
-        else:
-            keep = self.seen
-        keep = min(keep, self.seen)
-        self._tail = self._bytes(keep, self.seen) or b""
-        self._tail_at = keep
+            return self._at
+        if self._mode in (self._SEARCH, self._NEXT):
+            return self._search
+        return self.seen
 
     def _step(self, out: list[int]) -> bool:
         """Advance the state machine; False when it needs more bytes."""
@@ -380,7 +395,7 @@ def _zstd_sig_prefix(partial: bytes) -> bool:
     return not partial or (partial[0] & 0xF0 == 0x50 and b"\x2a\x4d\x18".startswith(partial[1:]))
 
 
-class ZstdFrames:
+class ZstdFrames(_StreamParser):
     """Incremental parser of zstd frames in a stream that starts with one.
 
     tensorstore's OCDBT data files (what Orbax checkpoints are made of) hold
@@ -402,14 +417,10 @@ class ZstdFrames:
     _FRAME, _BLOCK, _SEARCH = range(3)
 
     def __init__(self) -> None:
-        self.seen = 0
+        super().__init__()
         self._mode = self._FRAME
         self._at = 0                    # FRAME/BLOCK: next header; SEARCH: first unsearched byte
         self._checksum = False
-        self._tail = b""                # bytes [self._tail_at, self.seen) kept for the next feed
-        self._tail_at = 0
-        self._view = memoryview(b"")
-        self._base = 0
 
     @property
     def done(self) -> bool:
@@ -419,31 +430,8 @@ class ZstdFrames:
     def stable(self) -> int:
         return min(self._at, self.seen) if self._mode == self._SEARCH else self.seen
 
-    def feed(self, data: Buffer) -> list[int]:
-        view = _as_bytes_view(data)
-        self._view, self._base = view, self.seen
-        self.seen += len(view)
-        out: list[int] = []
-        try:
-            while self._step(out):
-                pass
-        finally:
-            keep = min(self._at, self.seen)
-            self._tail = self._bytes(keep, self.seen) or b""
-            self._tail_at = keep
-            self._view = memoryview(b"")
-        return out
-
-    def _bytes(self, start: int, stop: int) -> Optional[bytes]:
-        if stop > self.seen:
-            return None
-        base = self._base
-        if start >= base:
-            return bytes(self._view[start - base:stop - base])
-        head = self._tail[start - self._tail_at:]
-        if stop <= base:
-            return head[:stop - start]
-        return head + bytes(self._view[:stop - base])
+    def _keep_from(self) -> int:
+        return self._at
 
     def _step(self, out: list[int]) -> bool:
         """Parse or search at self._at; False when it needs more bytes."""
