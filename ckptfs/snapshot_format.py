@@ -278,15 +278,22 @@ def _ids(ids: list[bytes]) -> bytes:
     return _list([b'"' + i.hex().encode() + b'"' for i in ids])
 
 
-def encode_dir(attrs: Attrs, entries: list[bytes], pages: list[bytes]) -> bytes:
-    """A directory: its attributes and either its entries (fragments of
-    `encode_entry` values, sorted by name) or its pages' ids."""
-    f = {"v": b"1", "t": b'"dir"', "attrs": _dumps(encode_attrs(attrs))}
+def _paged(kind: bytes, attrs: Attrs, key: str, items: list[bytes],
+           pages: list[bytes]) -> bytes:
+    """A directory's or a file's object: its attributes and either its
+    items under key or, when it has pages, their ids."""
+    f = {"v": b"1", "t": kind, "attrs": _dumps(encode_attrs(attrs))}
     if pages:
         f["pages"] = _ids(pages)
     else:
-        f["entries"] = _list(entries)
+        f[key] = _list(items)
     return _join(f)
+
+
+def encode_dir(attrs: Attrs, entries: list[bytes], pages: list[bytes]) -> bytes:
+    """A directory: its attributes and either its entries (fragments of
+    `encode_entry` values, sorted by name) or its pages' ids."""
+    return _paged(b'"dir"', attrs, "entries", entries, pages)
 
 
 def encode_dir_page(entries: list[bytes]) -> bytes:
@@ -296,12 +303,7 @@ def encode_dir_page(entries: list[bytes]) -> bytes:
 def encode_file(attrs: Attrs, extents: list[bytes], pages: list[bytes]) -> bytes:
     """A regular file: its attributes and either its extents (fragments of
     `encode_extent` values, by offset) or its pages' ids."""
-    f = {"v": b"1", "t": b'"file"', "attrs": _dumps(encode_attrs(attrs))}
-    if pages:
-        f["pages"] = _ids(pages)
-    else:
-        f["extents"] = _list(extents)
-    return _join(f)
+    return _paged(b'"file"', attrs, "extents", extents, pages)
 
 
 def encode_extent_page(extents: list[bytes]) -> bytes:
