@@ -459,14 +459,21 @@ static void quiet_touch(const struct fuse_in_header *in)
     }
 }
 
+/* Move the first n (at most *count) rows of a queue of size-byte rows to
+ * out; the rest move up. */
+static size_t take_rows(void *out, void *rows, size_t *count, size_t n, size_t size)
+{
+    if (n > *count)
+        n = *count;
+    memcpy(out, rows, n * size);
+    memmove(rows, (uint8_t *)rows + n * size, (*count - n) * size);
+    *count -= n;
+    return n;
+}
+
 size_t ckptfs_fuse_release_take(uint64_t *out, size_t n)
 {
-    if (n > n_released)
-        n = n_released;
-    memcpy(out, released, n * sizeof *out);
-    memmove(released, released + n, (n_released - n) * sizeof *released);
-    n_released -= n;
-    return n;
+    return take_rows(out, released, &n_released, n, sizeof *released);
 }
 
 void ckptfs_fuse_release_folder(uintptr_t fn)
@@ -1216,12 +1223,7 @@ static void close_all_windows(void)
 
 size_t ckptfs_fuse_write_take(ckptfs_fuse_wextent *out, size_t n)
 {
-    if (n > n_pending)
-        n = n_pending;
-    memcpy(out, pending, n * sizeof *out);
-    memmove(pending, pending + n, (n_pending - n) * sizeof *pending);
-    n_pending -= n;
-    return n;
+    return take_rows(out, pending, &n_pending, n, sizeof *pending);
 }
 
 void ckptfs_fuse_write_folder(uintptr_t fn)
