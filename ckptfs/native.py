@@ -14,7 +14,7 @@ import mmap
 import os
 import struct
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
     if sys.version_info >= (3, 12):
@@ -399,23 +399,21 @@ def split_planes(data: Buffer, width: int) -> bytes:
     """Byte planes of ``data`` taken as ``width``-byte elements: byte i of
     every element goes to plane i, the planes one after the other, then the
     ``len(data) % width`` trailing bytes unchanged."""
-    if width < 1:
-        raise ValueError(f"width must be positive, got {width}")
-    with ffi.from_buffer(data) as src:
-        n = len(src)
-        out = _new_uninit("uint8_t[]", max(n, 1))
-        lib.ckptfs_split_planes(src, n, width, out)
-    return ffi.buffer(out, n)[:]
+    return _planes(lib.ckptfs_split_planes, data, width)
 
 
 def merge_planes(data: Buffer, width: int) -> bytes:
     """Inverse of :func:`split_planes`."""
+    return _planes(lib.ckptfs_merge_planes, data, width)
+
+
+def _planes(fn: Callable[..., None], data: Buffer, width: int) -> bytes:
     if width < 1:
         raise ValueError(f"width must be positive, got {width}")
     with ffi.from_buffer(data) as src:
         n = len(src)
         out = _new_uninit("uint8_t[]", max(n, 1))
-        lib.ckptfs_merge_planes(src, n, width, out)
+        fn(src, n, width, out)
     return ffi.buffer(out, n)[:]
 
 

@@ -1131,19 +1131,28 @@ static void merge4(const uint8_t *s0, const uint8_t *s1, const uint8_t *s2,
     }
 }
 
-void ckptfs_split_planes(const void *src, size_t len, size_t width, void *dst)
+/* Byte planes: split puts byte p of each width-byte value into plane p (n
+ * values, plane-major), merge undoes it; the len % width bytes after the
+ * last whole value are copied as they are. */
+static void planes(const uint8_t *s, size_t len, size_t width, uint8_t *d, int merge)
 {
-    const uint8_t *s = src;
-    uint8_t *d = dst;
     if (width <= 1) {
         memcpy(d, s, len);
         return;
     }
     size_t n = len / width, body = n * width;
-    if (width == 2) {
+    if (width == 2 && merge) {
+        merge2(s, s + n, n, d);
+    } else if (width == 2) {
         split2(s, n, d, d + n);
+    } else if (width == 4 && merge) {
+        merge4(s, s + n, s + 2 * n, s + 3 * n, n, d);
     } else if (width == 4) {
         split4(s, n, d, d + n, d + 2 * n, d + 3 * n);
+    } else if (merge) {
+        for (size_t i = 0; i < n; i++)
+            for (size_t p = 0; p < width; p++)
+                d[i * width + p] = s[p * n + i];
     } else {
         for (size_t i = 0; i < n; i++)
             for (size_t p = 0; p < width; p++)
@@ -1152,25 +1161,14 @@ void ckptfs_split_planes(const void *src, size_t len, size_t width, void *dst)
     memcpy(d + body, s + body, len - body);
 }
 
+void ckptfs_split_planes(const void *src, size_t len, size_t width, void *dst)
+{
+    planes(src, len, width, dst, 0);
+}
+
 void ckptfs_merge_planes(const void *src, size_t len, size_t width, void *dst)
 {
-    const uint8_t *s = src;
-    uint8_t *d = dst;
-    if (width <= 1) {
-        memcpy(d, s, len);
-        return;
-    }
-    size_t n = len / width, body = n * width;
-    if (width == 2) {
-        merge2(s, s + n, n, d);
-    } else if (width == 4) {
-        merge4(s, s + n, s + 2 * n, s + 3 * n, n, d);
-    } else {
-        for (size_t i = 0; i < n; i++)
-            for (size_t p = 0; p < width; p++)
-                d[i * width + p] = s[p * n + i];
-    }
-    memcpy(d + body, s + body, len - body);
+    planes(src, len, width, dst, 1);
 }
 
 /* -- float layout detection -- */
