@@ -122,27 +122,16 @@ class Encoded:
 _local = threading.local()
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
+def _compressor(level: int, checksum: bool = True) -> zstandard.ZstdCompressor:
+    """This thread's compressor at level. checksum=False inside CODEC_PLANES,
+    where the payload's CRC covers everything: no per-plane checksum."""
     cache = getattr(_local, "cctx", None)
     if cache is None:
         cache = _local.cctx = {}
-    c = cache.get(level)
+    c = cache.get((level, checksum))
     if c is None:
-        c = cache[level] = zstandard.ZstdCompressor(
-            level=level, write_checksum=True, write_content_size=True
-        )
-    return c
-
-
-def _plane_compressor(level: int) -> zstandard.ZstdCompressor:
-    # Inside CODEC_PLANES the payload's CRC covers everything: no per-plane checksum.
-    cache = getattr(_local, "pctx", None)
-    if cache is None:
-        cache = _local.pctx = {}
-    c = cache.get(level)
-    if c is None:
-        c = cache[level] = zstandard.ZstdCompressor(
-            level=level, write_checksum=False, write_content_size=True
+        c = cache[level, checksum] = zstandard.ZstdCompressor(
+            level=level, write_checksum=checksum, write_content_size=True
         )
     return c
 
@@ -237,7 +226,7 @@ def encode_planes(data: Buffer, width: int, *, phase: int | None = None, level: 
     split = native.split_planes(view[phase : phase + body], width)
     planes = memoryview(split)
     parts = [bytes([phase]), view[:phase], view[phase + body :]]
-    cctx = _plane_compressor(level)
+    cctx = _compressor(level, checksum=False)
     for j in range(width):
         plane = planes[j * count : (j + 1) * count]
         method, blob = PLANE_RAW, plane
