@@ -234,16 +234,9 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
             raise UsageError(f"sync must be close or lazy, not {value!r}")
         opts.sync = value
     elif name == "lazy_delay":
-        try:
-            opts.lazy_delay_s = float(value)
-        except ValueError:
-            raise UsageError(f"lazy_delay must be a number of seconds, not {value!r}") from None
-        if not 0 < opts.lazy_delay_s <= 3600:
-            raise UsageError("lazy_delay must be between 0 and 3600 seconds")
+        opts.lazy_delay_s = _seconds(name, value, 0, 3600, low_ok=False)
     elif name == "dedup":
-        if value not in ("on", "off"):
-            raise UsageError(f"dedup must be 'on' or 'off', not {value!r}")
-        opts.dedup = value == "on"
+        opts.dedup = _on_off(name, value)
     elif name == "backing":
         from .backing import check_location
         opts.backing = check_location(value)
@@ -256,24 +249,10 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
         from .volumes import check_name
         opts.volume = check_name(value)
     elif name == "publish_delay":
-        if value == "off":
-            opts.publish_delay_s = math.inf
-        else:
-            try:
-                opts.publish_delay_s = float(value)
-            except ValueError:
-                raise UsageError(f"publish_delay must be a number of seconds or off, not "
-                                 f"{value!r}") from None
-            if not 0 < opts.publish_delay_s <= 86400:
-                raise UsageError("publish_delay must be between 0 and 86400 seconds, or off")
+        opts.publish_delay_s = math.inf if value == "off" else \
+            _seconds(name, value, 0, 86400, low_ok=False, or_off=True)
     elif name == "unmount_publish_timeout":
-        try:
-            opts.unmount_publish_timeout_s = float(value)
-        except ValueError:
-            raise UsageError(f"unmount_publish_timeout must be a number of seconds, not "
-                             f"{value!r}") from None
-        if not 0 <= opts.unmount_publish_timeout_s <= 86400:
-            raise UsageError("unmount_publish_timeout must be between 0 and 86400 seconds")
+        opts.unmount_publish_timeout_s = _seconds(name, value, 0, 86400)
     elif name == "peers":
         from .volumes import check_name
         if value in ("all", "") or value is None:
@@ -283,13 +262,7 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
         else:
             opts.peers = [check_name(v) for v in value.split(":")]
     elif name == "peer_refresh":
-        try:
-            opts.peer_refresh_s = float(value)
-        except ValueError:
-            raise UsageError(f"peer_refresh must be a number of seconds, not {value!r}") \
-                from None
-        if not 0.1 <= opts.peer_refresh_s <= 3600:
-            raise UsageError("peer_refresh must be between 0.1 and 3600 seconds")
+        opts.peer_refresh_s = _seconds(name, value, 0.1, 3600)
     elif name == "hot_versions":
         try:
             opts.hot_versions = int(value)
@@ -298,9 +271,7 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
         if not 0 <= opts.hot_versions <= 1_000_000:
             raise UsageError("hot_versions must be between 0 and 1000000")
     elif name == "tiering":
-        if value not in ("on", "off"):
-            raise UsageError(f"tiering must be 'on' or 'off', not {value!r}")
-        opts.tiering = value == "on"
+        opts.tiering = _on_off(name, value)
     elif name == "metrics_port":
         from .metrics import parse_port
         opts.metrics_port = parse_port(value)
@@ -313,6 +284,27 @@ def _apply(opts: MountOptions, name: str, value: Optional[str], item: str) -> No
         opts.debug = True
     elif name == "foreground":
         opts.foreground = True
+
+
+def _on_off(name: str, value: str) -> bool:
+    if value not in ("on", "off"):
+        raise UsageError(f"{name} must be 'on' or 'off', not {value!r}")
+    return value == "on"
+
+
+def _seconds(name: str, value: str, low: float, high: float, *, low_ok: bool = True,
+             or_off: bool = False) -> float:
+    """value as seconds in [low, high] ((low, high] unless low_ok); or_off:
+    the option also takes "off" (the messages say so)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise UsageError(f"{name} must be a number of seconds{' or off' if or_off else ''}, "
+                         f"not {value!r}") from None
+    if not (low <= seconds if low_ok else low < seconds) or not seconds <= high:
+        raise UsageError(f"{name} must be between {low:g} and {high:g} seconds"
+                         f"{', or off' if or_off else ''}")
+    return seconds
 
 
 def options_help() -> str:
