@@ -40,7 +40,7 @@ from .index import (CHUNK_LOG, CHUNK_PACK, CHUNK_SOURCE, ROOT_INO, Chunk, Direct
                     Index, Inode)
 from . import snapshot_format as sf
 from . import volumes
-from .namespace import NAME_MAX, STATE_DIR_NAME
+from .namespace import STATE_DIR_NAME
 from .options import parse_options
 from .chunker import chunk_id
 from .files import MAX_FILE_BYTES
@@ -714,16 +714,12 @@ class Fsck:
 
 
 def _bad_name(parent: int, name: bytes) -> Optional[str]:
-    """Why a directory entry's name is impossible, or None."""
-    if name in (b"", b".", b".."):
-        return "is not a possible name"
-    if b"/" in name or b"\0" in name:
-        return "contains '/' or NUL"
-    if len(name) > NAME_MAX:
-        return f"is longer than {NAME_MAX} bytes"
-    if parent == ROOT_INO and name == STATE_DIR_NAME:
+    """Why a directory entry's name is impossible, or None (a snapshot's
+    rules, and the state directory's name at the top)."""
+    why = sf.check_name(name)
+    if why is None and parent == ROOT_INO and name == STATE_DIR_NAME:
         return "is reserved for the state directory"
-    return None
+    return why
 
 
 # ---------------------------------------------------------------- repairs

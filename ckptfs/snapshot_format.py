@@ -65,7 +65,7 @@ from __future__ import annotations
 import json
 import stat
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from .chunker import chunk_id
 from .errors import FormatError
@@ -476,15 +476,22 @@ def _entry_list(doc: dict, what: str) -> list[Union[Entry, BadEntry]]:
     return [_entry(e, what) for e in entries]
 
 
-def decode_dir(obj_id: bytes, raw: bytes) -> DirObject:
-    doc = _doc(obj_id, raw, "dir")
-    what = f"dir object {obj_id.hex()[:16]}"
-    attrs = decode_attrs(doc.get("attrs"), (stat.S_IFDIR,), what)
-    if ("pages" in doc) == ("entries" in doc):
-        raise BadObject(f"{what}: needs either 'entries' or 'pages'")
+def _decode_paged(obj_id: bytes, raw: bytes, kind: str, mode: int, key: str,
+                  items: Callable[[dict, str], list]) -> tuple[Attrs, list, list[bytes]]:
+    """A directory's or a file's object (`_paged`): its attributes, and its
+    items under key (read by items) or its pages' ids, one of the two."""
+    doc = _doc(obj_id, raw, kind)
+    what = f"{kind} object {obj_id.hex()[:16]}"
+    attrs = decode_attrs(doc.get("attrs"), (mode,), what)
+    if ("pages" in doc) == (key in doc):
+        raise BadObject(f"{what}: needs either '{key}' or 'pages'")
     if "pages" in doc:
-        return DirObject(attrs, [], _pages(doc, what))
-    return DirObject(attrs, _entry_list(doc, what), [])
+        return attrs, [], _pages(doc, what)
+    return attrs, items(doc, what), []
+
+
+def decode_dir(obj_id: bytes, raw: bytes) -> DirObject:
+    return DirObject(*_decode_paged(obj_id, raw, "dir", stat.S_IFDIR, "entries", _entry_list))
 
 
 def decode_dir_page(obj_id: bytes, raw: bytes) -> list[Union[Entry, BadEntry]]:
@@ -515,14 +522,7 @@ def _extents(doc: dict, what: str, limit: int = PAGE_EXTENTS) -> list[Extent]:
 
 
 def decode_file(obj_id: bytes, raw: bytes) -> FileObject:
-    doc = _doc(obj_id, raw, "file")
-    what = f"file object {obj_id.hex()[:16]}"
-    attrs = decode_attrs(doc.get("attrs"), (stat.S_IFREG,), what)
-    if ("pages" in doc) == ("extents" in doc):
-        raise BadObject(f"{what}: needs either 'extents' or 'pages'")
-    if "pages" in doc:
-        return FileObject(attrs, [], _pages(doc, what))
-    return FileObject(attrs, _extents(doc, what), [])
+    return FileObject(*_decode_paged(obj_id, raw, "file", stat.S_IFREG, "extents", _extents))
 
 
 def decode_extent_page(obj_id: bytes, raw: bytes) -> list[Extent]:
