@@ -17,6 +17,22 @@ def keys(n: int) -> bytes:
     return ix.u64(n)
 
 
+def random_changes(index: Index, model: dict, rng: random.Random, tables: tuple[str, ...],
+                   n_keys: int, n: int, p_delete: float) -> None:
+    """n random puts and deletes among keys(0..n_keys) of tables, made to
+    the index and to model alike."""
+    for _ in range(n):
+        db = rng.choice(tables)
+        key = keys(rng.randrange(n_keys))
+        if rng.random() < p_delete:
+            index._delete(db, key)
+            model.pop((db, key), None)
+        else:
+            value = rng.randbytes(8)
+            index._put(db, key, value)
+            model[(db, key)] = value
+
+
 def committed_index(tmp_path, values: dict[int, bytes]) -> Index:
     index = Index(str(tmp_path / "index"))
     index.write_direct(lambda txn: [txn._put("xattrs", keys(k), v) for k, v in values.items()])
@@ -436,16 +452,8 @@ def test_durable_batches_layers_are_emptied_and_reused(tmp_path, monkeypatch):
             for commit in range(30):
                 if commit == 3:
                     made_after_warmup.append(len(made))
-                for _ in range(rng.randrange(1, 20)):
-                    db = rng.choice(["xattrs", "symlinks", "orphans"])
-                    key = keys(rng.randrange(50))
-                    if rng.random() < 0.3:
-                        index._delete(db, key)
-                        model.pop((db, key), None)
-                    else:
-                        value = os.urandom(8)
-                        index._put(db, key, value)
-                        model[(db, key)] = value
+                random_changes(index, model, rng, ("xattrs", "symlinks", "orphans"), 50,
+                               rng.randrange(1, 20), 0.3)
                 for db in ("xattrs", "symlinks", "orphans"):
                     for k in range(50):
                         assert index._get(db, keys(k)) == model.get((db, keys(k)))
@@ -670,16 +678,7 @@ def test_journaled_batches_wait_unsorted_until_read_in_key_order(tmp_path, monke
             assert index.start_journal()
             view = frozen = None
             for commit in range(60):
-                for _ in range(rng.randrange(1, 40)):
-                    db = rng.choice(tables)
-                    key = keys(rng.randrange(200))
-                    if rng.random() < 0.25:
-                        index._delete(db, key)
-                        model.pop((db, key), None)
-                    else:
-                        value = rng.randbytes(8)
-                        index._put(db, key, value)
-                        model[(db, key)] = value
+                random_changes(index, model, rng, tables, 200, rng.randrange(1, 40), 0.25)
                 await index.wait_durable(index.current_seq())
                 if commit % 5 == 4:
                     check()                 # sorts every table in
