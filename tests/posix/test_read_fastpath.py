@@ -200,6 +200,51 @@ def test_page_cache_misses_are_answered_on_c_threads(make_mount):
     m.umount()
 
 
+def _log_mapped_kib(m) -> int:
+    """Resident KiB of the daemon's read-only mapping of its log (the fast
+    path's, which the mapped READs read from)."""
+    import re
+
+    log = str(m.source / ".ckptfs" / "pmem.log")
+    total, inside = 0, False
+    with open(f"/proc/{m.pid}/smaps") as f:
+        for line in f:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                head = line.split()
+                inside = head[1] == "r--s" and line.rstrip().endswith(log)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_mapped_reads_leave_no_log_pages_mapped(make_mount, fsck_clean):
+    """A READ answered from the log's mapping unmaps every page its faults
+    mapped, the rest of the large folios its bytes lie in too (the kernel
+    maps whole folios and the pages around a fault): before, ~100 KiB per
+    READ stayed mapped, so the daemon's RSS grew with what it sent."""
+    m = make_mount(options=["pmem_size=256M"], over_itself=False)
+    want = rand(96 * MiB + 123, 41)
+    (m.path / "f").write_bytes(want)
+    m.remount()
+    drop_log_pages(m)
+    before = m.stat()
+    fd = os.open(m.path / "f", os.O_RDONLY)
+    try:
+        assert pread_all(fd, len(want), 0) == want      # the read pool, then the page cache
+        drop_pages(fd)
+        assert pread_all(fd, len(want), 0) == want      # the trio thread, from the mapping
+        check_random_reads(fd, want, seed=42, reads=30, max_bytes=3 * MiB)
+        mapped_kib = _log_mapped_kib(m)
+    finally:
+        os.close(fd)
+    after = m.stat()
+    mapped = after["fuse_read_mapped"] - before["fuse_read_mapped"]
+    assert mapped >= 90, f"only {mapped} READs were answered from the log's mapping"
+    assert mapped_kib < 1024, f"{mapped_kib} KiB of the log stay mapped after {mapped} READs"
+    assert after["errors"] == {}
+    check_clean(fsck_clean, m)
+
+
 def test_sequential_reader_gets_its_next_windows_ahead(make_mount, fsck_clean):
     """A sequential reader of a file many read windows long: the daemon
     loads each next window before the reader gets there (told by the fast
