@@ -47,6 +47,19 @@ def check_clean(fsck_clean, m) -> None:
         m.umount()
 
 
+def remount_and_check(fsck_clean, m, path, want: bytes) -> None:
+    """End of a test that wrote path: after a remount it reads back as want,
+    then the unmount and fsck are clean."""
+    m.remount()
+    got = read_file(path)
+    if got != want:
+        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                  min(len(got), len(want)))
+        raise AssertionError(f"{path} after a remount: {len(got)} bytes, want {len(want)}; "
+                             f"first difference at {at}")
+    check_clean(fsck_clean, m)
+
+
 def renameat2(old: os.PathLike | str, new: os.PathLike | str, flags: int) -> None:
     """rename(2) with flags, through libc or the raw syscall (316 on x86_64)."""
     o, n = os.fsencode(old), os.fsencode(new)
@@ -157,6 +170,15 @@ def wait_for(pred: Callable[[], bool], timeout_s: float = 10.0, step_s: float = 
             return True
         time.sleep(step_s)
     return pred()
+
+
+def wait_until(check: Callable[[], object], timeout_s: float, what: str) -> float:
+    """Seconds until check() is true; fails (saying what) after timeout_s."""
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < timeout_s, f"not within {timeout_s} s: {what}"
+        time.sleep(0.02)
+    return time.monotonic() - started
 
 
 def pid_alive(pid: int) -> bool:

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from posix_helpers import check_clean, pattern, read_file, write_file
+from posix_helpers import check_clean, pattern, read_file, remount_and_check, write_file
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -79,9 +79,7 @@ def test_dedup_off_stores_every_copy(make_mount, fsck_clean):
     st = m.stat()
     assert st["dedup"] is False
     assert st["stored_bytes"] == 2 * len(data)
-    m.remount()
-    assert read_file(m.path / "b") == data
-    check_clean(fsck_clean, m)
+    remount_and_check(fsck_clean, m, m.path / "b", data)
 
 
 def test_inserted_bytes_do_not_break_dedup(mounted, fsck_clean):
@@ -94,9 +92,7 @@ def test_inserted_bytes_do_not_break_dedup(mounted, fsck_clean):
     added = stored(mounted) - before
     # New: the inserted bytes plus a few chunks around each change (max 256 KiB each).
     assert added < 2 * MiB, f"a shifted copy added {added} bytes"
-    mounted.remount()
-    assert read_file(mounted.path / "v2") == shifted
-    check_clean(fsck_clean, mounted)
+    remount_and_check(fsck_clean, mounted, mounted.path / "v2", shifted)
 
 
 def test_cp_of_a_checkpoint_within_the_mount_adds_almost_nothing(mounted, fsck_clean):
@@ -151,9 +147,7 @@ def test_small_changed_tensors_between_frozen_ones_cost_only_themselves(mounted,
     changed = sum(len(pattern(8 * KiB + 24 * i, 0)) for i in range(8))
     header = struct.unpack_from("<Q", v2)[0] + 8
     assert added <= changed + header, f"added {added}, changed tensors {changed} + header {header}"
-    mounted.remount()
-    assert read_file(mounted.path / "v2.safetensors") == v2
-    check_clean(fsck_clean, mounted)
+    remount_and_check(fsck_clean, mounted, mounted.path / "v2.safetensors", v2)
 
 
 def test_out_of_order_writes_dedup_at_commit(mounted, fsck_clean):
@@ -171,9 +165,7 @@ def test_out_of_order_writes_dedup_at_commit(mounted, fsck_clean):
     added = stored(mounted) - before
     # Cut per write record at commit: chunks at record edges are new (<= 2 per record).
     assert added < len(data) // 2, f"out-of-order copy added {added} of {len(data)}"
-    mounted.remount()
-    assert read_file(mounted.path / "random") == data
-    check_clean(fsck_clean, mounted)
+    remount_and_check(fsck_clean, mounted, mounted.path / "random", data)
 
 
 def test_refcounts_stay_exact_under_every_operation(mounted, fsck_clean):
@@ -277,9 +269,7 @@ def test_read_while_writing_sees_uncut_bytes(mounted, fsck_clean):
         with open(p, "rb", buffering=0) as r:
             assert r.read() == data
     assert read_file(p) == data
-    mounted.remount()
-    assert read_file(p) == data
-    check_clean(fsck_clean, mounted)
+    remount_and_check(fsck_clean, mounted, p, data)
 
 
 def test_zero_filled_checkpoint_is_almost_free(mounted, fsck_clean):
@@ -316,9 +306,7 @@ def test_zero_runs_are_holes_that_read_back_as_zeros(mounted, fsck_clean):
     st = mounted.stat()
     assert st["stored_bytes"] <= 4 * MiB + 2 * 256 * KiB
     assert os.stat(mounted.path / "moments").st_blocks * 512 < 5 * MiB    # du: holes
-    mounted.remount()
-    assert read_file(mounted.path / "moments") == data
-    check_clean(fsck_clean, mounted)
+    remount_and_check(fsck_clean, mounted, mounted.path / "moments", data)
 
 
 def test_dedup_off_write_records_stay_within_the_chunk_limit(tmp_path):

@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from posix_helpers import (GiB, MiB, check_clean, expect_errno, pattern, push_to_daemon,
-                           read_file, wait_for, write_file)
+                           read_file, remount_and_check, wait_for, write_file)
 
 
 # ------------------------------------------------------------------ open flags
@@ -28,9 +28,7 @@ def test_create_write_read_remount(mounted, fsck_clean):
     write_file(p, data)
     assert read_file(p) == data
     assert os.stat(p).st_size == len(data)
-    mounted.remount()
-    assert read_file(p) == data
-    check_clean(fsck_clean, mounted)
+    remount_and_check(fsck_clean, mounted, p, data)
 
 
 def test_o_trunc(mounted, fsck_clean):
@@ -153,9 +151,7 @@ def test_truncate_shrink_then_write_beyond(mounted, fsck_clean):
         os.close(fd)
     want = b"A" * 10 + bytes(50000 - 10) + b"Z"
     assert read_file(p) == want
-    mounted.remount()
-    assert read_file(p) == want
-    check_clean(fsck_clean, mounted)
+    remount_and_check(fsck_clean, mounted, p, want)
 
 
 # ---------------------------------------------------------- sparse / big files
@@ -256,9 +252,7 @@ def test_o_trunc_rewrite_new_content_after_close(mounted, fsck_clean):
         os.write(fd, new)
     finally:
         os.close(fd)
-    mounted.remount()
-    assert read_file(p) == new
-    check_clean(fsck_clean, mounted)
+    remount_and_check(fsck_clean, mounted, p, new)
 
 
 # ------------------------------------------------------------ unlink while open
@@ -523,9 +517,7 @@ def test_many_small_writes(mounted, fsck_clean):
     finally:
         os.close(fd)
     assert read_file(p) == data
-    mounted.remount()
-    assert read_file(p) == data
-    check_clean(fsck_clean, mounted)
+    remount_and_check(fsck_clean, mounted, p, data)
 
 
 def test_odd_offset_writes_through_wronly_fd(mounted, fsck_clean):
@@ -728,9 +720,7 @@ def test_full_log_enospc(make_mount, fsck_clean):
     os.unlink(m.path / "committed")
     again = pattern(40 * MiB, 32)
     write_file(m.path / "again", again)
-    m.remount()
-    assert read_file(m.path / "again") == again
-    check_clean(fsck_clean, m)
+    remount_and_check(fsck_clean, m, m.path / "again", again)
 
 
 @pytest.mark.xfail(strict=True, reason="after a failed commit the daemon drops the file's new "

@@ -25,7 +25,8 @@ import time
 
 from ckptfs import control
 
-from posix_helpers import check_clean, pattern, pread_all, push_to_daemon, read_file
+from posix_helpers import (check_clean, pattern, pread_all, push_to_daemon, read_file,
+                           remount_and_check)
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -128,9 +129,7 @@ def test_two_fds_and_two_processes_rewrite_one_file_at_once(make_mount, fsck_cle
     want[3 * q:] = bytes.fromhex(out.decode().strip())
     assert read_file(path) == want
     assert _answered_in_c(m) - before >= 200
-    m.remount()
-    assert read_file(path) == want
-    check_clean(fsck_clean, m)
+    remount_and_check(fsck_clean, m, path, want)
 
 
 # The child's rewrites of [base, base + span): prints what that range holds after.
@@ -241,9 +240,7 @@ def test_rewrites_mixed_with_mmap_odirect_holes_truncate_and_punch(make_mount, f
         os.close(dfd)
         os.close(fd)
     assert read_file(path) == want
-    m.remount()
-    assert read_file(path) == want
-    check_clean(fsck_clean, m)
+    remount_and_check(fsck_clean, m, path, want)
 
 
 def test_unlink_and_rename_over_a_file_whose_rewrite_window_is_open(make_mount, fsck_clean):

@@ -20,7 +20,7 @@ import random
 from ckptfs import control
 
 from posix_helpers import (check_clean, close_after_kill, pattern, pread_all,
-                           push_to_daemon, read_file)
+                           push_to_daemon, read_file, remount_and_check)
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -68,9 +68,7 @@ def test_rewrites_are_answered_in_c_and_byte_exact(make_mount, fsck_clean):
         os.fsync(fd)
     finally:
         os.close(fd)
-    m.remount()
-    assert read_file(path) == want
-    check_clean(fsck_clean, m)
+    remount_and_check(fsck_clean, m, path, want)
 
 
 def test_the_window_stays_open_across_an_fsync(make_mount, fsck_clean):
@@ -103,9 +101,7 @@ def test_the_window_stays_open_across_an_fsync(make_mount, fsck_clean):
         assert writes >= 300 and writes - in_c <= 2, (writes, in_c)
     finally:
         os.close(fd)
-    m.remount()
-    assert read_file(path) == want
-    check_clean(fsck_clean, m)
+    remount_and_check(fsck_clean, m, path, want)
 
 
 def test_rewrites_beside_a_stream_and_a_truncate(make_mount, fsck_clean):
@@ -138,9 +134,7 @@ def test_rewrites_beside_a_stream_and_a_truncate(make_mount, fsck_clean):
         os.fsync(fd)
     finally:
         os.close(fd)
-    m.remount()
-    assert read_file(path) == want
-    check_clean(fsck_clean, m)
+    remount_and_check(fsck_clean, m, path, want)
 
 
 def test_kill_keeps_what_the_last_fsync_made_durable(make_mount, fsck_clean):

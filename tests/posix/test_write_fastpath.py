@@ -22,7 +22,7 @@ import pytest
 from ckptfs import control
 
 from posix_helpers import (check_clean, close_after_kill, drop_pages, pattern,
-                           pread_all, push_to_daemon, read_file)
+                           pread_all, push_to_daemon, read_file, remount_and_check)
 
 MiB = 1 << 20
 
@@ -60,9 +60,7 @@ def test_stream_writes_are_answered_in_c_and_byte_exact(make_mount, fsck_clean):
         assert pread_all(fd, len(data), 0) == data
     finally:
         os.close(fd)
-    m.remount()
-    assert read_file(path) == data
-    check_clean(fsck_clean, m)
+    remount_and_check(fsck_clean, m, path, data)
 
 
 def test_interleaved_streams_and_overwrites(make_mount, fsck_clean):
@@ -246,9 +244,7 @@ def test_full_log_still_says_enospc(make_mount, fsck_clean):
     os.unlink(m.path / "committed")
     again = pattern(40 * MiB, seed=32)
     (m.path / "again").write_bytes(again)
-    m.remount()
-    assert read_file(m.path / "again") == again
-    check_clean(fsck_clean, m)
+    remount_and_check(fsck_clean, m, m.path / "again", again)
 
 
 @pytest.mark.parametrize("env", ["CKPTFS_NO_FAST_WRITES", "CKPTFS_NO_FASTPATH"])
@@ -259,9 +255,7 @@ def test_nothing_depends_on_it(make_mount, monkeypatch, fsck_clean, env):
     data = pattern(16 * MiB + 5, seed=40)
     (m.path / "f").write_bytes(data)
     assert _answered_in_c(m) == 0
-    m.remount()
-    assert read_file(m.path / "f") == data
-    check_clean(fsck_clean, m)
+    remount_and_check(fsck_clean, m, m.path / "f", data)
 
 
 @pytest.mark.parametrize("spliced", [True, False])
@@ -293,6 +287,4 @@ def test_payload_spliced_into_the_log_or_copied(make_mount, monkeypatch, fsck_cl
         os.fsync(fd)
     finally:
         os.close(fd)
-    m.remount()
-    assert read_file(path) == data
-    check_clean(fsck_clean, m)
+    remount_and_check(fsck_clean, m, path, data)
