@@ -47,6 +47,19 @@ def mkdir_d(fs: InProcess) -> None:
         fs.mkdir("d")
 
 
+def crash_after_writing(inproc, files: dict[str, bytes]) -> InProcess:
+    """An opening that wrote files (each closed: journaled), then crashed."""
+    fs = inproc(OPTS)
+
+    async def main(fs):
+        mkdir_d(fs)
+        await write_all(fs, files)
+
+    fs.run(main)
+    fs.close()
+    return fs
+
+
 def journal_state(source: Path) -> tuple[int, int]:
     """(generation, applied seq) as LMDB holds them, read without ckptfs
     (an Index would replay)."""
@@ -174,15 +187,7 @@ def test_records_from_before_a_checkpoint_are_never_replayed(inproc, monkeypatch
 def test_a_record_of_another_generation_is_never_replayed(inproc, caplog):
     """A whole record with the right seq but another generation (a leftover
     the new generation's records never overwrote) ends the replay."""
-    fs = inproc(OPTS)
-    data = {"d/x": b"x" * 3000}
-
-    async def main(fs):
-        mkdir_d(fs)
-        await write_all(fs, data)
-
-    fs.run(main)
-    fs.close()
+    fs = crash_after_writing(inproc, {"d/x": b"x" * 3000})
     gen, applied = journal_state(fs.source)
     records = list(jr.read_records(journal_path(fs.source), gen, applied))
     assert records
@@ -467,14 +472,7 @@ def test_a_replay_without_room_for_one_transaction_applies_each_record_alone(
     in a transaction of its own (its seq with it), then the new generation.
     (tests/crash/test_index_full.py's kill -9 on a full ext4 lands here.)"""
     files = contents(random.Random(10), 15)
-    fs = inproc(OPTS)
-
-    async def main(fs):
-        mkdir_d(fs)
-        await write_all(fs, files)
-
-    fs.run(main)
-    fs.close()
+    fs = crash_after_writing(inproc, files)
     records = len(valid_records(fs.source))
     apply = ix.Index._apply_records
     sizes = []
@@ -502,14 +500,7 @@ def test_an_eio_at_replay_is_no_full_disk_unless_the_disk_is_full(inproc, monkey
     (IndexFull). The free space comes from the index's path: no data.mdb fd
     is open at the replay."""
     files = contents(random.Random(11), 5)
-    fs = inproc(OPTS)
-
-    async def main(fs):
-        mkdir_d(fs)
-        await write_all(fs, files)
-
-    fs.run(main)
-    fs.close()
+    fs = crash_after_writing(inproc, files)
     assert valid_records(fs.source)
 
     def eio(self, txn, ops):
