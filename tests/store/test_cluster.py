@@ -25,8 +25,8 @@ import pytest
 from ckptfs.backing import open_backend
 from ckptfs import volumes
 
-from mounting import CKPTFS, MOUNT_HELPER, REPO, is_mounted, run_ckptfs
-from posix_helpers import read_file, write_file
+from mounting import CKPTFS, REPO, is_mounted, run_ckptfs
+from posix_helpers import read_file, wait_until, write_file
 from test_backing import s3_client
 from test_s3 import aws_env
 from test_tier import floats, verify, write_version
@@ -133,15 +133,6 @@ def state_of(store, volume: str) -> volumes.VolumeState:
         return volumes.read_state(backend, volume)
 
 
-def wait_for(check, timeout_s: float, what: str) -> float:
-    """Seconds until check() is true; fails after timeout_s."""
-    started = time.monotonic()
-    while not check():
-        assert time.monotonic() - started < timeout_s, f"not within {timeout_s} s: {what}"
-        time.sleep(0.1)
-    return time.monotonic() - started
-
-
 def gone(m) -> None:
     """The node dies (kill -9) and its log and index are lost with it."""
     m.kill()
@@ -169,7 +160,7 @@ def test_every_commit_is_published_within_the_delay_and_stays_hot(make_mount, st
     a = node(make_mount, store, "a")
     files = write_version(a.path, 1, size=2 * MiB)
     closed = time.monotonic()
-    lag = wait_for(lambda: (lambda st: st["publish_lag_s"] == 0 and st["publish_backlog_bytes"]
+    lag = wait_until(lambda: (lambda st: st["publish_lag_s"] == 0 and st["publish_backlog_bytes"]
                             == 0 and st["published_copy_bytes"] > 0)(a.stat()),
                    DELAY_S + 20, "published")
     st = a.stat()
@@ -220,8 +211,8 @@ def test_a_store_outage_grows_the_lag_never_blocks_writers_and_catches_up(make_m
         started = time.monotonic()
         second = write_version(a.path, 2, size=2 * MiB)
         assert time.monotonic() - started < 10, "writers waited for the store"
-        wait_for(lambda: a.stat()["publish_last_error"] is not None, 60, "the error shown")
-        wait_for(lambda: a.stat()["publish_lag_s"] > DELAY_S + 1, 60, "the lag growing")
+        wait_until(lambda: a.stat()["publish_last_error"] is not None, 60, "the error shown")
+        wait_until(lambda: a.stat()["publish_lag_s"] > DELAY_S + 1, 60, "the lag growing")
         st = a.stat()
         assert st["publish_state"] == "retrying" and st["publish_backlog_bytes"] > 0, st
     finally:
@@ -252,13 +243,13 @@ def test_a_round_failing_after_a_covering_head_leaves_no_stale_error(make_mount,
     store.down()
     try:
         second = write_version(a.path, 2, size=MiB)
-        wait_for(marker.exists, 120, "a round failed while the store was away")
+        wait_until(marker.exists, 120, "a round failed while the store was away")
     finally:
         store.up()
     a.tier_now("--all")             # everything into packs, then a head: it covers
     marker.unlink()                 # the failed round goes on: records its error or not
     daemon_log = a.source / ".ckptfs" / "daemon.log"
-    wait_for(lambda: "debug pause at publish-failed over" in daemon_log.read_text(), 30,
+    wait_until(lambda: "debug pause at publish-failed over" in daemon_log.read_text(), 30,
              "the failed round went on")
     assert sync_published(a).returncode == 0
     st = a.stat()
@@ -283,7 +274,7 @@ def test_a_head_of_gc_does_not_count_as_published(make_mount, dir_store, monkeyp
     dir_store.down()
     try:
         second = write_version(a.path, 2, size=MiB)
-        wait_for(marker.exists, 120, "a round failed while the store was away")
+        wait_until(marker.exists, 120, "a round failed while the store was away")
     finally:
         dir_store.up()
     assert run_ckptfs("gc", str(a.path)).returncode == 0     # a head: the copies still wait
@@ -362,7 +353,7 @@ def test_an_adopted_file_open_while_it_is_packed_keeps_its_changes(make_mount, d
         w.seek(MiB + 100)
         w.write(b"changed while packed")
         w.flush()                       # to the daemon, not committed: still open
-        wait_for(lambda: a.stat()["source_bytes"] == 0, 120, "the adopted files packed")
+        wait_until(lambda: a.stat()["source_bytes"] == 0, 120, "the adopted files packed")
         assert r.read() == data[MiB:]
     changed = data[:MiB + 100] + b"changed while packed" + data[MiB + 120:]
     assert read_file(a.path / "write.bin") == changed
@@ -451,7 +442,7 @@ def test_takeover_fences_the_old_node(make_mount, dir_store):
     base = state_of(dir_store, "a").leases[-1].base
     # The old node saves again: committed locally, but never published.
     write_file(a.path / "late.bin", b"late" * 1000)
-    wait_for(lambda: a.stat()["read_only"], 60, "the old node read-only")
+    wait_until(lambda: a.stat()["read_only"], 60, "the old node read-only")
     st = a.stat()
     assert st["volume_fenced"] and "taken over" in st["last_error"], st
     with pytest.raises(OSError) as e:
@@ -520,7 +511,7 @@ def test_sigkill_while_a_copy_is_written_loses_nothing(make_mount, dir_store, mo
     a = node(make_mount, dir_store, "a", "tiering=on", "hot_versions=100")
     monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
     files = write_version(a.path, 1, size=2 * MiB)
-    wait_for(marker.exists, 60, "the copy paused after its pack was written")
+    wait_until(marker.exists, 60, "the copy paused after its pack was written")
     a.kill()
     a.start()
     verify(a.path, files)
@@ -548,11 +539,11 @@ def test_a_tiering_pass_during_a_copy_packs_nothing_twice(make_mount, dir_store,
     a = node(make_mount, dir_store, "a", "hot_versions=100")
     monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
     files = write_version(a.path, 1, size=8 * MiB)
-    wait_for(marker.exists, 60, "the round's copy paused half written")
+    wait_until(marker.exists, 60, "the round's copy paused half written")
     tier = subprocess.Popen(CKPTFS + ["tier", str(a.path), "--now", "--all"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: a.stat()["tier_state"] == "moving", 60, "the pass began")
+        wait_until(lambda: a.stat()["tier_state"] == "moving", 60, "the pass began")
         time.sleep(1)               # long enough for a pass that does not wait to plan
         marker.unlink()
         out, err = tier.communicate(timeout=300)
@@ -645,7 +636,7 @@ def test_three_nodes_save_every_10_s_and_one_is_restored_elsewhere(make_mount, r
                 start = time.monotonic()
                 for step in range(3):
                     saved[i].update(write_version(nodes[i].path, step, size=4 * MiB))
-                    lags.append(wait_for(lambda: (lambda st: st["publish_lag_s"] == 0 and
+                    lags.append(wait_until(lambda: (lambda st: st["publish_lag_s"] == 0 and
                                                   st["publish_backlog_bytes"] == 0)(
                                                       nodes[i].stat()), 120, "published"))
                     time.sleep(max(0.0, start + (step + 1) * 10 - time.monotonic()))

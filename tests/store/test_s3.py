@@ -18,11 +18,9 @@ import random
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import botocore.session
 import pytest
@@ -33,6 +31,7 @@ from ckptfs.errors import (BackingCredentials, BackingUnavailable, BlobMissing,
 
 from mounting import MOUNT_HELPER, is_mounted, run_ckptfs
 from posix_helpers import check_clean, pattern, read_file, write_file
+from store_state import kill_in_tier_pass
 from test_backing import put, s3_client, s3_session
 from test_tier import tier_now, verify, write_version
 
@@ -496,17 +495,7 @@ def test_interrupted_pass_is_undone_by_the_next_mount(make_mount, rgw, bucket, s
     m = make_mount(options=["pmem_size=128M", "hot_versions=0", f"backing={url}"])
     monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
     files = write_version(m.path, 1, size=2 * MiB)
-    proc = subprocess.Popen([sys.executable, "-m", "ckptfs.cli", "tier", str(m.path), "--now"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=Path(__file__).resolve().parents[2])
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert time.monotonic() < deadline, "the mover never committed a pack"
-            time.sleep(0.02)
-        m.kill()
-    finally:
-        proc.wait(timeout=60)
+    kill_in_tier_pass(m, marker, "the mover never committed a pack")
     (leftover,) = objects(rgw, bucket, "ckpt/packs/")
     res = m.fsck()
     assert res.returncode == 0, res.stdout + res.stderr

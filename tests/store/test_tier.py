@@ -10,16 +10,15 @@ import json
 import os
 import shutil
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from mounting import run_ckptfs
-from posix_helpers import check_clean, pattern, read_file, write_file
-from store_state import store_packs
+from posix_helpers import (check_clean, pattern, read_file, remount_and_check, wait_until,
+                           write_file)
+from store_state import kill_in_tier_pass, store_packs, tier_in_background
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -50,13 +49,6 @@ def verify(top: Path, files: dict[str, bytes]) -> None:
 
 def tier_now(m, *extra: str) -> subprocess.CompletedProcess:
     return run_ckptfs("tier", str(m.path), "--now", *extra, timeout=600)
-
-
-def wait_until(check, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def test_cold_versions_move_out_and_read_back(make_mount, fsck_clean):
@@ -115,9 +107,7 @@ def test_cold_chunks_are_dedup_targets(make_mount, fsck_clean):
     write_file(m.path / "b.bin", data)        # the same bytes again: nothing new stored
     st = m.stat()
     assert st["stored_bytes"] <= cold + 256 * KiB
-    m.remount()
-    assert read_file(m.path / "b.bin") == data
-    check_clean(fsck_clean, m)
+    remount_and_check(fsck_clean, m, m.path / "b.bin", data)
 
 
 def test_vanished_backing_store_keeps_hot_data_and_gives_eio_for_cold(make_mount, tmp_path,
@@ -184,14 +174,7 @@ def test_sigkill_during_tiering_loses_nothing(make_mount, tmp_path, monkeypatch,
     files: dict[str, bytes] = {}
     for step in range(1, 6):
         files.update(write_version(m.path, step, size=12 * MiB))
-    proc = subprocess.Popen([sys.executable, "-m", "ckptfs.cli", "tier", str(m.path), "--now"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=Path(__file__).resolve().parents[2])
-    try:
-        wait_until(marker.exists, 120, "the mover never started a pack")
-        m.kill()
-    finally:
-        proc.wait(timeout=60)
+    kill_in_tier_pass(m, marker, "the mover never started a pack")
     m.start()
     verify(m.path, files)
     tier_now(m)                                 # finish the job after the crash
@@ -325,14 +308,7 @@ def test_fsck_tells_an_interrupted_pass_from_damage(make_mount, tmp_path, monkey
     m = make_mount(options=["pmem_size=128M", "hot_versions=0"])
     monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
     files = write_version(m.path, 1, size=2 * MiB)
-    proc = subprocess.Popen([sys.executable, "-m", "ckptfs.cli", "tier", str(m.path), "--now"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=Path(__file__).resolve().parents[2])
-    try:
-        wait_until(marker.exists, 120, "the mover never committed a pack")
-        m.kill()
-    finally:
-        proc.wait(timeout=60)
+    kill_in_tier_pass(m, marker, "the mover never committed a pack")
     named, intents, blobs, temps, dead_marks = store_packs(m)
     (leftover,) = blobs - named
     assert intents, "no intent names the pack being written"
@@ -374,14 +350,7 @@ def test_dead_pack_survives_a_crash_only_until_the_next_snapshot(make_mount, tmp
     tier_now(m, "--all")
     kept = write_version(m.path, 2, size=1 * MiB)
     shutil.rmtree(m.path / "step_1")                    # its pack has no live chunk left
-    proc = subprocess.Popen([sys.executable, "-m", "ckptfs.cli", "tier", str(m.path), "--now"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=Path(__file__).resolve().parents[2])
-    try:
-        wait_until(marker.exists, 120, "no pack died")
-        m.kill()
-    finally:
-        proc.wait(timeout=60)
+    kill_in_tier_pass(m, marker, "no pack died")
     named, intents, blobs, temps, dead_marks = store_packs(m)
     (dead,) = blobs - named
     res = m.fsck()
@@ -453,9 +422,7 @@ def test_an_index_older_than_the_store_deletes_and_overwrites_no_pack(make_mount
     monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
     state = m.source / ".ckptfs"
     old = write_version(m.path, 1, size=2 * MiB)
-    proc = subprocess.Popen([sys.executable, "-m", "ckptfs.cli", "tier", str(m.path), "--now"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=Path(__file__).resolve().parents[2])
+    proc = tier_in_background(m)
     try:
         wait_until(marker.exists, 120, "the mover never committed a pack")
         _copy_index(state / "index", tmp_path / "index.old")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 from mounting import run_ckptfs
 from test_s3 import bucket, s3_env  # noqa: F401 - fixtures: a fresh bucket, the gateway's env
