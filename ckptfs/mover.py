@@ -376,11 +376,7 @@ class Mover:
                     cid = chunk_id(data)
                     if cid not in by_id:
                         enc = codec.encode_chunk(data)
-                        if room is not None and _pack_size(writer, len(enc.payload)) > room:
-                            if not writer.entries:
-                                raise BackingFull(f"{self.backend.url}: no space for another "
-                                                  f"pack ({room + STORE_MARGIN_BYTES} bytes "
-                                                  f"free, {STORE_MARGIN_BYTES} kept free)")
+                        if self._pack_full(writer, room, len(enc.payload)):
                             data.release()
                             off = chunk.length          # the pack ends here
                             break
@@ -472,6 +468,19 @@ class Mover:
             return None
         return free - STORE_MARGIN_BYTES
 
+    def _pack_full(self, writer: packs.PackWriter, room: Optional[int],
+                   payload_bytes: int) -> bool:
+        """True if a payload of this size does not fit in the pack being
+        written (it ends before it); BackingFull if it would not fit in an
+        empty one. room: from `_room_blocking`."""
+        if room is None or _pack_size(writer, payload_bytes) <= room:
+            return False
+        if not writer.entries:
+            raise BackingFull(f"{self.backend.url}: no space for another pack "
+                              f"({room + STORE_MARGIN_BYTES} bytes free, "
+                              f"{STORE_MARGIN_BYTES} kept free)")
+        return True
+
     def _write_pack_blocking(self, pack_no: int, batch: list[Chunk]
                              ) -> tuple[list[Optional[packs.PackEntry]], int]:
         """Read, compress and pack a prefix of the chunks (as many as the
@@ -511,11 +520,7 @@ class Mover:
                 cid = chunk.chunk_id or chunk_id(buf)
                 if cid not in by_id:        # twins stored without dedup share one copy
                     enc = codec.encode_chunk(buf)
-                    if room is not None and _pack_size(writer, len(enc.payload)) > room:
-                        if not writer.entries:
-                            raise BackingFull(f"{self.backend.url}: no space for another pack "
-                                              f"({room + STORE_MARGIN_BYTES} bytes free, "
-                                              f"{STORE_MARGIN_BYTES} kept free)")
+                    if self._pack_full(writer, room, len(enc.payload)):
                         break               # the pack ends here; the rest goes in the next
                     by_id[cid] = writer.add(cid, enc.codec, enc.param, enc.payload,
                                             chunk.length)
