@@ -156,13 +156,8 @@ class PmemLog:
                     raise FormatError(f"{path}: the log is blank (never formatted, or wiped) "
                                       "and the index may name data in it: restore the right "
                                       "log (ckptfs fsck SOURCE shows what is affected)")
-                size_bytes = cls._check_size(size_bytes or current)
-                if is_device and size_bytes > current:
-                    raise FormatError(f"{path}: device holds only {current} bytes (give a "
-                                      f"pmem_size of at most {current >> 20}M)")
-                if not is_device:
-                    _preallocate(fd, size_bytes, path)
-                cls._write_superblock(fd, size_bytes, fs_uuid)
+                size_bytes = cls._lay_out(fd, path, size_bytes or current, fs_uuid, is_device,
+                                          current)
                 log.info("formatted blank log %s: %d bytes", path, size_bytes)
             else:
                 stored_size, stored_uuid = cls._read_superblock(fd, path)
@@ -184,13 +179,7 @@ class PmemLog:
                                       f"log's {stored_size}; shrinking is not supported (mount "
                                       "without pmem_size to keep its size)")
                 else:
-                    size_bytes = cls._check_size(size_bytes)
-                    if is_device and size_bytes > current:
-                        raise FormatError(f"{path}: device holds only {current} bytes (give "
-                                          f"a pmem_size of at most {current >> 20}M)")
-                    if not is_device:
-                        _preallocate(fd, size_bytes, path)
-                    cls._write_superblock(fd, size_bytes, fs_uuid)
+                    size_bytes = cls._lay_out(fd, path, size_bytes, fs_uuid, is_device, current)
                     log.info("grew log %s from %d to %d bytes", path, stored_size, size_bytes)
         except BaseException:
             os.close(fd)
@@ -227,6 +216,21 @@ class PmemLog:
         if size_bytes < MIN_SIZE_BYTES:
             raise FormatError(f"pmem_size {size_bytes} is too small (minimum {MIN_SIZE_BYTES})")
         return size_bytes // PAGE_BYTES * PAGE_BYTES
+
+    @classmethod
+    def _lay_out(cls, fd: int, path: str, size_bytes: int, fs_uuid: bytes, is_device: bool,
+                 current: int) -> int:
+        """Make the log at fd size_bytes long (rounded down to pages; a device
+        must hold them, a file gets its blocks) with its superblock: a blank
+        log formatted, or one grown. Returns the size. Blocks (fsync)."""
+        size_bytes = cls._check_size(size_bytes)
+        if is_device and size_bytes > current:
+            raise FormatError(f"{path}: device holds only {current} bytes (give a "
+                              f"pmem_size of at most {current >> 20}M)")
+        if not is_device:
+            _preallocate(fd, size_bytes, path)
+        cls._write_superblock(fd, size_bytes, fs_uuid)
+        return size_bytes
 
     @staticmethod
     def _write_superblock(fd: int, size_bytes: int, fs_uuid: bytes) -> None:
