@@ -160,9 +160,7 @@ class Chunker:
             limit = min(limit, self._hints.stable)
         out: list[tuple[int, int]] = []
         if self._held:
-            held, held_at = self._held, self._scanned
-            self._held = b""
-            self._advance(memoryview(held), held_at, limit, out)
+            held, held_at = self._scan_held(limit, out)
             if self._scanned < base:  # the hint still holds back older bytes
                 self._held = held[self._scanned - held_at :] + bytes(view)
                 return out
@@ -177,9 +175,7 @@ class Chunker:
             return []
         out: list[tuple[int, int]] = []
         if self._held:
-            held, held_at = self._held, self._scanned
-            self._held = b""
-            self._advance(memoryview(held), held_at, self._fed, out)
+            self._scan_held(self._fed, out)
         if self._fed > self._start:
             out.append((self._start, self._fed - self._start))
             self._start = self._fed
@@ -187,6 +183,14 @@ class Chunker:
         self._forced.clear()
         self._finished = True
         return out
+
+    def _scan_held(self, limit: int, out: list[tuple[int, int]]) -> tuple[bytes, int]:
+        """Scan the bytes held back for a hint up to limit; returns them and
+        their stream offset (feed holds back again what is not scanned yet)."""
+        held, held_at = self._held, self._scanned
+        self._held = b""
+        self._advance(memoryview(held), held_at, limit, out)
+        return held, held_at
 
     def _advance(
         self, view: memoryview, base: int, limit: int, out: list[tuple[int, int]]
@@ -314,9 +318,7 @@ class BatchChunker(Chunker):
             return []
         out: list[tuple[int, int]] = []
         if self._held:
-            held, held_at = self._held, self._scanned
-            self._held = b""
-            self._advance(memoryview(held), held_at, self._fed, out)
+            self._scan_held(self._fed, out)
         length, zero, crcs, cid = self._feeder.finish()
         if length:
             assert self._start + length == self._fed, (self._start, length, self._fed)
