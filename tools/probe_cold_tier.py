@@ -147,7 +147,8 @@ def one(args, rep):
                 "load": os.getloadavg()[0],
             }
             for k in ("fuse_read_answered_in_c", "fuse_read_passed_on", "fuse_cold_read_answered_in_c",
-                      "fuse_cold_read_passed_on", "fuse_cold_read_in_pool", "cold_fetches",
+                      "fuse_cold_read_passed_on", "fuse_cold_read_in_pool", "fuse_cold_read_waited",
+                      "fuse_cold_read_waited_then_passed", "cold_fetches",
                       "fuse_requests"):
                 if k in st1 and isinstance(st1[k], (int, float)):
                     d[k] = (st1.get(k) or 0) - (st0.get(k) or 0)
