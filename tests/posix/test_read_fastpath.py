@@ -178,13 +178,20 @@ def test_cached_reads_are_answered_from_the_logs_mapping(make_mount, fsck_clean,
     check_clean(fsck_clean, m)
 
 
-def test_page_cache_misses_are_answered_on_c_threads(make_mount):
-    m = make_mount(options=["pmem_size=256M"], over_itself=False)
-    want = rand(40 * MiB + 4321, 11)
+def _committed_and_dropped(make_mount, pmem_size: str, size_bytes: int, seed: int):
+    """A mount with one file of random bytes, committed and remounted, the
+    log's pages dropped: its first reads go to the disk. Returns the mount,
+    the file's bytes and the daemon's counters before any read."""
+    m = make_mount(options=[f"pmem_size={pmem_size}"], over_itself=False)
+    want = rand(size_bytes, seed)
     (m.path / "f").write_bytes(want)
     m.remount()
     drop_log_pages(m)
-    before = m.stat()
+    return m, want, m.stat()
+
+
+def test_page_cache_misses_are_answered_on_c_threads(make_mount):
+    m, want, before = _committed_and_dropped(make_mount, "256M", 40 * MiB + 4321, 11)
     fd = os.open(m.path / "f", os.O_RDONLY)
     try:
         assert pread_all(fd, len(want), 0) == want
@@ -222,12 +229,7 @@ def test_mapped_reads_leave_no_log_pages_mapped(make_mount, fsck_clean):
     mapped, the rest of the large folios its bytes lie in too (the kernel
     maps whole folios and the pages around a fault): before, ~100 KiB per
     READ stayed mapped, so the daemon's RSS grew with what it sent."""
-    m = make_mount(options=["pmem_size=256M"], over_itself=False)
-    want = rand(96 * MiB + 123, 41)
-    (m.path / "f").write_bytes(want)
-    m.remount()
-    drop_log_pages(m)
-    before = m.stat()
+    m, want, before = _committed_and_dropped(make_mount, "256M", 96 * MiB + 123, 41)
     fd = os.open(m.path / "f", os.O_RDONLY)
     try:
         assert pread_all(fd, len(want), 0) == want      # the read pool, then the page cache
@@ -252,12 +254,8 @@ def test_sequential_reader_gets_its_next_windows_ahead(make_mount, fsck_clean):
     few, not one per window, and every byte is the file's."""
     import time
 
-    m = make_mount(options=["pmem_size=512M"], over_itself=False)
-    want = rand(224 * MiB + 777, 21)        # seven 32 MiB windows and a bit
-    (m.path / "f").write_bytes(want)
-    m.remount()
-    drop_log_pages(m)
-    before = m.stat()
+    # seven 32 MiB windows and a bit
+    m, want, before = _committed_and_dropped(make_mount, "512M", 224 * MiB + 777, 21)
     fd = os.open(m.path / "f", os.O_RDONLY)
     try:
         got = bytearray()
