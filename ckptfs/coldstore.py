@@ -91,7 +91,7 @@ class ColdStore:
         self.backend = backend
         self.cache_limit = cache_bytes
         # chunk id -> its verified bytes (a view of what was read), their span
-        # and their address (for the FUSE fast path: `cached_piece`)
+        # and their address (for the FUSE fast path: `cached_run`)
         self._cache: OrderedDict[bytes, tuple[memoryview, _Span, int]] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()
@@ -133,25 +133,15 @@ class ColdStore:
         out[:] = data[chunk_off:chunk_off + len(out)]
         return True
 
-    def cached_piece(self, chunk: Chunk) -> Optional[tuple[memoryview, int]]:
-        """The chunk's verified bytes (read-only) and their address, if they
-        are in the cache and as long as its record says; else None. The trio
-        thread may call it. Whoever keeps the view keeps the memory at that
-        address as it is: the cache may evict the chunk, never reuse that memory."""
-        with self._lock:
-            entry = self._cache.get(chunk.chunk_id)
-            if entry is None:
-                return None
-            self._cache.move_to_end(chunk.chunk_id)
-        if len(entry[0]) != chunk.length:
-            return None             # the daemon's read of it says what is wrong
-        return entry[0], entry[2]
-
     def cached_run(self, chunks: Iterable[tuple[int, Chunk]]
                    ) -> list[tuple[int, memoryview, int]]:
-        """`cached_piece` of each (key, chunk) in turn, under one lock, up
-        to the first that gives None: (key, bytes, address) of those before
-        it. The trio thread may call it; chunks is read with the lock held."""
+        """Each (key, chunk)'s verified bytes (read-only) and their address,
+        in turn, under one lock, up to the first not in the cache or not as
+        long as its record says (the daemon's read of it says what is
+        wrong): (key, bytes, address) of those before it. The trio thread
+        may call it; chunks is read with the lock held. Whoever keeps a view
+        keeps the memory at its address as it is: the cache may evict the
+        chunk, never reuse that memory."""
         out = []
         with self._lock:
             cache = self._cache

@@ -224,9 +224,6 @@ class _Cache:
     def cached_run(self, chunks):
         return [(i, memoryview(bytes(c.length)), 4096) for i, c in chunks]
 
-    def cached_piece(self, chunk):
-        return memoryview(bytes(chunk.length)), 4096
-
 
 def test_a_refill_trims_its_cold_table_without_waiting_for_replies(tmp_path):
     """A refill drops the pieces behind its reader from the cold table
