@@ -1270,6 +1270,22 @@ static int touches_only_nodeid(uint32_t opcode)
     }
 }
 
+/* A SETATTR of times only (no size, mode, owner; no suid/sgid to drop)?
+ * The kernel sends one whenever it writes back the inode of a file written
+ * through the page cache (fuse_flush_times: mtime, ctime, the handle): ~60
+ * per 2 GiB streamed.  It changes no byte and no size: the daemon records
+ * the times (after the WRITEs answered before it are folded: fp_read folds
+ * first, and the handler does not yield), so the stream's window may stay
+ * open. */
+static int times_only(const struct fuse_in_header *in)
+{
+    const uint32_t times = FATTR_ATIME | FATTR_MTIME | FATTR_CTIME | FATTR_ATIME_NOW
+                           | FATTR_MTIME_NOW | FATTR_FH | FATTR_LOCKOWNER;
+    if (in->opcode != FUSE_SETATTR || in->len < sizeof *in + sizeof(struct fuse_setattr_in))
+        return 0;
+    return (((const struct fuse_setattr_in *)(in + 1))->valid & ~times) == 0;
+}
+
 /* A request goes to the daemon: no WRITE of the file(s) it may touch is
  * answered here until the daemon opens their windows again. */
 static void passing_on(const struct fuse_in_header *in)
@@ -1282,6 +1298,8 @@ static void passing_on(const struct fuse_in_header *in)
         close_all_windows();
         return;
     }
+    if (times_only(in))
+        return;
     fp_window *w = window_of(in->nodeid);
     if (w != NULL) {
         if (in->opcode == FUSE_WRITE)

@@ -185,6 +185,63 @@ def test_reads_stat_truncate_rename_fsync_race_a_writer(make_mount, fsck_clean):
     check_clean(fsck_clean, m)
 
 
+def test_a_setattr_of_times_leaves_the_window_open(make_mount, fsck_clean):
+    """The kernel sends a SETATTR of the times whenever it writes back a
+    written file's inode (mtime, ctime: ~60 per 2 GiB streamed), and utime
+    sends one too: it changes no byte, so the stream's next WRITEs are still
+    answered in C (before, it closed the window and the next WRITE went to
+    the daemon). stat shows the times the kernel set, during the stream and
+    after a remount."""
+    m = make_mount(options=["pmem_size=512M", "sync=close"])
+    piece = 8 * MiB
+    data = pattern(5 * piece, seed=60)
+    path = m.path / "times.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        # Under load the kernel can send a whole piece's WRITEs before the
+        # stager opens the window: stream on until C has answered some.
+        at = 0
+        while _answered_in_c(m) == 0 and at < 2 * piece:
+            _stream(fd, data[at:at + piece], at=at)
+            push_to_daemon(fd)
+            at += piece
+        assert _answered_in_c(m) > 0
+        for k in range(1, 3):
+            time.sleep(0.05)        # the WRITEs' fold done: the SETATTR comes alone
+            times = (1_000_000_000 * k + 7, 2_000_000_000 * k + 11)
+            os.utime(path, ns=times)
+            st = os.stat(path)
+            assert (st.st_atime_ns, st.st_mtime_ns) == times
+            before = _stats(m)
+            _stream(fd, data[at:at + piece], at=at)
+            push_to_daemon(fd)
+            at += piece
+            after = _stats(m)
+            writes = after["fuse_requests"]["WRITE"] - before["fuse_requests"]["WRITE"]
+            assert writes > 0
+            assert after["fuse_write_answered_in_c"] - before["fuse_write_answered_in_c"] \
+                == writes, "a WRITE after the SETATTR went to the daemon"
+            st = os.stat(path)
+            assert st.st_mtime_ns > times[1] and st.st_size == at     # the writes' own times
+        os.utime(path)              # now, as `touch` does
+        _stream(fd, data[at:], at=at)
+        os.fsync(fd)
+        times = (3_000_000_000, 4_000_000_000)
+        os.utime(path, ns=times)    # after the last write: these stay
+        shown = os.stat(path)
+        assert (shown.st_atime_ns, shown.st_mtime_ns) == times
+    finally:
+        os.close(fd)
+    closed = os.stat(path)
+    m.remount()
+    st = os.stat(path)
+    assert (st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns) == \
+        (closed.st_atime_ns, closed.st_mtime_ns, closed.st_ctime_ns)
+    assert (st.st_atime_ns, st.st_mtime_ns) == times
+    assert read_file(path) == data
+    check_clean(fsck_clean, m)
+
+
 def test_kill_mid_write_keeps_what_fsync_made_durable(make_mount, fsck_clean):
     """SIGKILL while WRITEs are answered in C after an fsync: after the
     remount the file is exactly what the fsync covered."""
