@@ -76,7 +76,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from operator import add
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Collection, Optional, Union
 
 import trio
 
@@ -267,7 +267,7 @@ class ChunkReader:
         self.window_loads = 0
         self.windows_ahead = 0          # of those, loaded ahead of a reader in C (load_ahead)
         self.reads_waited = 0           # window reads that missed the page cache
-        index.watch_maps(self._extents_changed, self._chunk_changed)
+        index.watch_maps(self._extents_changed, self._chunks_changed)
 
     @property
     def bytes_read(self) -> int:
@@ -649,10 +649,19 @@ class ChunkReader:
         if ino in self._windows:
             self._drop_window(ino)
 
-    def _chunk_changed(self, chunk_no: int) -> None:
-        self._ahead_records.pop(chunk_no, None)
-        for ino in list(self._chunk_users.get(chunk_no, ())):
-            self._drop_window(ino)
+    def _chunks_changed(self, chunk_nos: Collection[int]) -> None:
+        # A big file's commit tells ~16 new chunk numbers per MiB, which no
+        # window names: the intersections find the few that matter in C.
+        ahead = self._ahead_records
+        if ahead:
+            for chunk_no in ahead.keys() & chunk_nos:
+                del ahead[chunk_no]
+        users = self._chunk_users
+        if users:
+            for chunk_no in users.keys() & chunk_nos:
+                # A drop may take other numbers' users with it: look each up again.
+                for ino in list(users.get(chunk_no, ())):
+                    self._drop_window(ino)
 
     # ------------------------------------------------- cold reads in C
 

@@ -41,10 +41,6 @@ log = logging.getLogger(__name__)
 NODE_GROWTH_BYTES = 4 * ix.GROWTH_PER_RECORD_BYTES
 
 
-def _no_chunk_watch(chunk_no: int) -> None:
-    pass
-
-
 @dataclass
 class CommitPolicy:
     sync: str = "close"             # "close" | "lazy"
@@ -214,7 +210,7 @@ class Filesystem:
         is made, on the trio thread, before any other request can see it:
         a cache of attributes outside Python (the adapter's, for the fast
         path) drops what changed."""
-        self.index.watch_maps(changed, _no_chunk_watch)
+        self.index.watch_maps(changed)
 
     def lookup(self, parent: int, name: bytes) -> Attrs:
         inode = self.ns.lookup(parent, name)

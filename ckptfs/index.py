@@ -186,7 +186,7 @@ from array import array
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Collection, Iterable, Iterator, Optional
 
 import lmdb
 import trio
@@ -304,6 +304,7 @@ _EXTENT = struct.Struct("<QQQ")
 _DIRENT = struct.Struct("<QQ")
 _CHUNK_HEAD = struct.Struct("<BIQ")
 _LOGLOC = struct.Struct("<Q")
+_LOG_HEAD = struct.Struct("<BIQQ")      # _CHUNK_HEAD then _LOGLOC: a LOG record's start in one pack
 _PACKLOC = struct.Struct("<QQIBBI")     # pack no, offset, stored length, codec, param, crc
 _LOG_FIXED = _CHUNK_HEAD.size + _LOGLOC.size + CHUNK_ID_BYTES   # a LOG record before its CRCs
 _PACK = struct.Struct("<QQQ")           # live chunks, live stored bytes, pack size
@@ -669,7 +670,11 @@ class Index:
         self.durable_seq = 0
         self.failure: Optional[BaseException] = None
         self.fenced: Optional[str] = None       # why the filesystem is read-only (`fence`)
-        self._watchers: list[tuple[Callable[[int], None], Callable[[int], None]]] = []
+        # (extents_changed, chunks_changed) per watcher (`watch_maps`); those
+        # with a chunks_changed also in _chunk_watchers.
+        self._watchers: list[tuple[Callable[[int], None],
+                                   Optional[Callable[[Collection[int]], None]]]] = []
+        self._chunk_watchers: list[Callable[[Collection[int]], None]] = []
         self._entry_watchers: list[Callable[[int], None]] = []
         self.direct_writes = 0          # write_direct calls: watchers saw none of them
         # Chunk id entries put so far (live index): a file whose new chunks were
@@ -1279,11 +1284,15 @@ class Index:
         elif db == "dirents":
             self._entry_changed(key)
 
-    def _put_many(self, db: str, items: list[tuple[bytes, Optional[bytes]]]) -> None:
+    def _put_many(self, db: str, items: list[tuple[bytes, Optional[bytes]]],
+                  numbers: Optional[Collection[int]] = None) -> None:
         """`_put` (or `_delete`: value None) of many keys at once, in order (a
         later item of a key wins): one update of the open batch's layer instead
         of a call per key (a big file's commit puts four records per chunk, 16
-        chunks per MiB; a commit's punches delete and split extents)."""
+        chunks per MiB; a commit's punches delete and split extents).
+        numbers: the distinct numbers the keys of a watched table begin with,
+        when the caller has them (a file's extents: its inode number), so
+        they are not read back out of every key."""
         if self.fenced is not None:
             raise ReadOnly(self.fenced)
         if not items:
@@ -1291,7 +1300,15 @@ class Index:
         self._layer(db).update(items)
         if db in _WATCHED_DBS:
             # Watchers drop what they cached of a number: once per number will do.
-            for number in dict.fromkeys(_U64.unpack_from(key)[0] for key, _ in items):
+            if numbers is None:
+                numbers = dict.fromkeys(_U64.unpack_from(key)[0] for key, _ in items)
+            if db == "chunks":
+                # A big file's commit: ~16 new chunk numbers per MiB, one call
+                # per watcher (a call per number and watcher took ~1 us a chunk).
+                for chunks_changed in self._chunk_watchers:
+                    chunks_changed(numbers)
+                return
+            for number in numbers:
                 self._numbers_changed(db, number)
         elif db == "chunkids":
             self.chunk_ids_put += len(items)
@@ -1309,14 +1326,18 @@ class Index:
             self._entry_changed(key)
 
     def watch_maps(self, extents_changed: Callable[[int], None],
-                   chunk_changed: Callable[[int], None]) -> None:
+                   chunks_changed: Optional[Callable[[Collection[int]], None]] = None
+                   ) -> None:
         """Be told of every change to a file's extent map or inode record
-        (its inode number: extents_changed) and to a chunk record (its
-        number), as each is made, on the trio
+        (its inode number: extents_changed) and, given chunks_changed, to
+        chunk records (their numbers, distinct, a collection per change
+        that may hold many), as each is made, on the trio
         thread: caches of them (chunkread.py's read windows) drop what
-        changed. Every write of the live index passes `_put`/`_delete`, so
-        no change escapes them."""
-        self._watchers.append((extents_changed, chunk_changed))
+        changed. Every write of the live index passes `_put`/`_delete`/
+        `_put_many`, so no change escapes them."""
+        self._watchers.append((extents_changed, chunks_changed))
+        if chunks_changed is not None:
+            self._chunk_watchers.append(chunks_changed)
 
     def watch_entries(self, entries_changed: Callable[[int], None]) -> None:
         """Be told of every directory entry added, retargeted or removed (its
@@ -1335,8 +1356,12 @@ class Index:
         self._numbers_changed(db, _U64.unpack_from(key)[0])
 
     def _numbers_changed(self, db: str, number: int) -> None:
-        for extents_changed, chunk_changed in self._watchers:
-            (chunk_changed if db == "chunks" else extents_changed)(number)
+        if db == "chunks":
+            for chunks_changed in self._chunk_watchers:
+                chunks_changed((number,))
+            return
+        for extents_changed, _ in self._watchers:
+            extents_changed(number)
 
     def check_writable(self) -> None:
         """ReadOnly once an index failure or a fence made the filesystem read-only."""
@@ -1376,6 +1401,12 @@ class Index:
         if self._open.opened_at is None:
             self._open.opened_at = time.monotonic()
         self._work.set()
+
+    def persist_chunks_before_commit(self, chunks: list[tuple[int, int, int]]) -> None:
+        """`persist_before_commit` of many new chunks, (log offset, length,
+        chunk no) each: a big file's commit, in two list extends."""
+        self._open.persist_ranges += [(log_off, length) for log_off, length, _ in chunks]
+        self._open.log_chunks += chunks
 
     def persist_before_commit(self, log_off: int, length: int, chunk_no: int = 0) -> None:
         """The open batch references these log bytes (chunk_no's, if given): make
@@ -2017,14 +2048,17 @@ class Index:
         per GiB of new chunks, nearly all of it the chunk ids (hashes)."""
         for db_name, layer in layers:
             db = self._dbs[db_name]
-            items = sorted(dict.items(layer))
             if None not in dict.values(layer):
                 # Puts only (a big file's new chunks and extents): one C loop,
                 # not a Python call per key (2 GiB's 143 k puts 72 -> 40 ms).
+                # The pairs made as LMDB takes them (zip reuses its tuple):
+                # a list of 143 k tuples set off a young collection of the
+                # cyclic collector that traversed them all (5-8 ms).
+                keys = sorted(dict.keys(layer))
                 with txn.cursor(db=db) as cur:
-                    cur.putmulti(items)
+                    cur.putmulti(zip(keys, map(layer.__getitem__, keys)))
                 continue
-            for k, v in items:
+            for k, v in sorted(dict.items(layer)):
                 if v is None:
                     txn.delete(k, db=db)
                 else:
@@ -2104,8 +2138,9 @@ class DirectTxn:
     def _put(self, db: str, key: bytes, value: bytes) -> None:
         self.txn.put(key, value, db=self.dbs[db])
 
-    def _put_many(self, db: str, items: list[tuple[bytes, bytes]]) -> None:
-        for key, value in items:
+    def _put_many(self, db: str, items: list[tuple[bytes, bytes]],
+                  numbers: Optional[Collection[int]] = None) -> None:
+        for key, value in items:        # numbers: nothing watches a start-up transaction
             self._put(db, key, value)
 
     def _delete(self, db: str, key: bytes) -> None:
@@ -2572,22 +2607,31 @@ def add_chunks(kv, chunks: list[Chunk]) -> None:
     ids: list[tuple[bytes, bytes]] = []
     logmap: list[tuple[bytes, bytes]] = []
     unpublished: list[tuple[bytes, bytes]] = []
+    numbers: list[int] = []
     log_bytes = 0
+    # A 2 GiB file's fsync adds ~32 k chunks here, on the trio thread while
+    # the writer waits: the packers bound once, a record as `Chunk.encode`
+    # makes a LOG chunk's (not copied) in one pack and one join.
+    pack_key, pack_head = _U64.pack, _LOG_HEAD.pack
     for chunk in chunks:
         if chunk.kind != CHUNK_LOG or chunk.copied:
             add_chunk(kv, chunk)            # rare at commit: one at a time
             continue
-        no = u64(chunk.chunk_no)
-        records.append((no, chunk.encode()))
+        number = chunk.chunk_no
+        no = pack_key(number)
+        records.append((no, b"".join((
+            pack_head(CHUNK_LOG, chunk.refcount, chunk.length, chunk.log_off),
+            chunk.chunk_id or NO_CHUNK_ID, chunk.crcs))))
+        numbers.append(number)
         if chunk.chunk_id:
             ids.append((chunk.chunk_id, no))
         # As `_count_chunk` does for a new LOG chunk not yet in the store.
-        logmap.append((u64(chunk.log_off), no))
+        logmap.append((pack_key(chunk.log_off), no))
         unpublished.append((no, b""))
         log_bytes += chunk.length
     if not records:
         return
-    kv._put_many("chunks", records)
+    kv._put_many("chunks", records, numbers=numbers)
     kv._put_many("chunkids", ids)
     kv._put_many("logmap", logmap)
     kv._put_many("unpublished", unpublished)
@@ -3246,7 +3290,11 @@ def put_extent(kv, ino: int, e: Extent) -> None:
 
 def put_extents(kv, ino: int, extents: list[Extent]) -> None:
     """`put_extent` of many extents of one file at once."""
-    kv._put_many("extents", [(extent_key(ino, e.file_off), extent_encode(e)) for e in extents])
+    # As `extent_key` and `extent_encode`, the packers bound once: a big
+    # file's commit puts ~16 extents per MiB.
+    key, value = _U64x2.pack, _EXTENT.pack
+    kv._put_many("extents", [(key(ino, e.file_off), value(e.chunk_no, e.chunk_off, e.length))
+                             for e in extents], numbers=(ino,))
 
 
 def delete_extent(kv, ino: int, file_off: int) -> None:

@@ -136,7 +136,7 @@ class VersionCatalog:
         self._built_at: Optional[int] = None            # index.direct_writes when built
         self._stale = False         # a file left where nothing says: build again
         # Watched from now on: whatever changes after this is read again.
-        index.watch_maps(self._ino_changed, _no_chunk_watch)
+        index.watch_maps(self._ino_changed)     # a chunk record changing moves no file
         index.watch_entries(self._dir_changed)
 
     def _ino_changed(self, ino: int) -> None:
@@ -298,10 +298,6 @@ class VersionCatalog:
                 if changed.isdisjoint(v.files):
                     v.in_log = walked.get(tuple(v.files))
         return versions
-
-
-def _no_chunk_watch(chunk_no: int) -> None:
-    """A chunk record changing moves no file between versions."""
 
 
 class Planner:

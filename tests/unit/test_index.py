@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -886,3 +887,54 @@ def test_a_layer_not_read_in_order_since_its_last_update_is_not_kept_sorted(monk
     assert merged
     assert list(layer.irange(keys(0), keys(5000))) == list(model)
     assert {k: layer[k] for k in layer} == dict(model)
+
+
+def test_a_files_new_chunks_are_told_to_chunk_watchers_at_once(tmp_path):
+    # A 2 GiB file's commit adds ~32 k chunks: one call per chunk watcher, none
+    # to a watcher of extents only (a call per chunk and watcher took ~1 us).
+    index = Index(str(tmp_path / "index"))
+    try:
+        extents: list[int] = []
+        told: list[list[int]] = []
+        only_extents: list[int] = []
+        index.watch_maps(extents.append, lambda numbers: told.append(sorted(numbers)))
+        index.watch_maps(only_extents.append)
+        new = [ix.Chunk(10 + i, ix.CHUNK_LOG, 1, 4096, log_off=i * 4096,
+                        chunk_id=bytes([i + 1]) * 32, crcs=b"\1\2\3\4") for i in range(3)]
+        ix.add_chunks(index, new)
+        assert told == [[10, 11, 12]]
+        ix.put_extents(index, 7, [ix.Extent(0, 4096, 10, 0), ix.Extent(4096, 4096, 11, 0)])
+        assert extents == only_extents == [7]
+        assert ix.more_refs(index, 11, 1)
+        assert told == [[10, 11, 12], [11]]
+        assert only_extents == [7]
+    finally:
+        index.close()
+
+
+def test_a_files_new_chunk_records_are_what_add_chunk_writes(tmp_path):
+    # add_chunks packs a LOG chunk's record itself (one pack, one join):
+    # the same bytes as Chunk.encode, the same id, log map and totals.
+    rnd = random.Random(9)
+    new = [ix.Chunk(100 + i, ix.CHUNK_LOG, 1 + i % 3, 60_000 + i, log_off=i * 70_000,
+                    chunk_id=rnd.randbytes(32) if i % 4 else b"", crcs=rnd.randbytes(4 * (1 + i % 2)))
+           for i in range(12)]
+    copied = ix.Chunk(200, ix.CHUNK_LOG, 1, 5000, log_off=10 ** 7, chunk_id=rnd.randbytes(32),
+                      crcs=b"\0" * 4, pack_no=3, pack_off=64, stored_length=900, copied=True)
+    tables = ("chunks", "chunkids", "logmap", "unpublished", "meta")
+    seen = []
+    for bulk in (True, False):
+        index = Index(str(tmp_path / f"index{bulk}"))
+        try:
+            chunks = [dataclasses.replace(c) for c in new + [copied]]
+            if bulk:
+                ix.add_chunks(index, chunks)
+            else:
+                for c in chunks:
+                    ix.add_chunk(index, c)
+            seen.append({t: dict(index._open.ops.get(t, {})) for t in tables})
+            for c in new:
+                assert index._open.ops["chunks"][ix.u64(c.chunk_no)] == c.encode()
+        finally:
+            index.close()
+    assert seen[0] == seen[1]
