@@ -375,12 +375,12 @@ class FileData:
         # collections in between (one per GC_YOUNG_OBJECTS, 2-7 ms each, the
         # writer waiting) would traverse what is about to die. Paused, its
         # next collection finds the few that are left.
-        paused = gc.isenabled()
+        was_enabled = gc.isenabled()
         gc.disable()
         try:
             return self._commit_file(df, inode, now_ns)
         finally:
-            if paused:
+            if was_enabled:
                 gc.enable()
 
     def _commit_file(self, df: DirtyFile, inode: ix.Inode, now_ns: int) -> ix.Inode:

@@ -670,10 +670,9 @@ class Index:
         self.durable_seq = 0
         self.failure: Optional[BaseException] = None
         self.fenced: Optional[str] = None       # why the filesystem is read-only (`fence`)
-        # (extents_changed, chunks_changed) per watcher (`watch_maps`); those
-        # with a chunks_changed also in _chunk_watchers.
-        self._watchers: list[tuple[Callable[[int], None],
-                                   Optional[Callable[[Collection[int]], None]]]] = []
+        # `watch_maps`: told of a file's extent map or inode record (its
+        # inode number), and of chunk records (their numbers, many at a time).
+        self._extent_watchers: list[Callable[[int], None]] = []
         self._chunk_watchers: list[Callable[[Collection[int]], None]] = []
         self._entry_watchers: list[Callable[[int], None]] = []
         self.direct_writes = 0          # write_direct calls: watchers saw none of them
@@ -1335,7 +1334,7 @@ class Index:
         thread: caches of them (chunkread.py's read windows) drop what
         changed. Every write of the live index passes `_put`/`_delete`/
         `_put_many`, so no change escapes them."""
-        self._watchers.append((extents_changed, chunks_changed))
+        self._extent_watchers.append(extents_changed)
         if chunks_changed is not None:
             self._chunk_watchers.append(chunks_changed)
 
@@ -1360,7 +1359,7 @@ class Index:
             for chunks_changed in self._chunk_watchers:
                 chunks_changed((number,))
             return
-        for extents_changed, _ in self._watchers:
+        for extents_changed in self._extent_watchers:
             extents_changed(number)
 
     def check_writable(self) -> None:
