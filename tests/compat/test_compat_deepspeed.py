@@ -46,12 +46,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def deepspeed_ranks(stage: int, mode: str, ckpt_dir: Path, plain: Path, log_dir: Path) -> None:
-    """Both ranks of one DeepSpeed job."""
+def deepspeed_ranks(ops: list[str], log_dir: Path) -> None:
+    """Both ranks of one DeepSpeed job doing ops ("STAGE:MODE:CKPT_DIR:PLAIN_DIR") in
+    order: one job per mode for both stages, as the imports cost most of a job."""
     port = free_port()
     run_ranks([[sys.executable, HELPERS / "compat_deepspeed_worker.py", str(rank), str(WORLD),
-                str(port), str(stage), mode, ckpt_dir, plain] for rank in range(WORLD)],
-              log_dir, ENV, what=f"ZeRO-{stage} {mode}")
+                str(port), *ops] for rank in range(WORLD)],
+              log_dir, ENV, what=f"running {ops}")
 
 
 def shas(root: Path) -> dict[str, str]:
@@ -59,36 +60,46 @@ def shas(root: Path) -> dict[str, str]:
             if p.is_file() and ".ckptfs" not in p.parts}
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero_save_load_and_zero_to_fp32(mounted, fsck_clean, tmp_path, stage):
-    ckpts, plain = mounted.path / "ckpts", tmp_path / "plain"
-    plain.mkdir()
-    deepspeed_ranks(stage, "save", ckpts, plain, tmp_path)
+STAGES = (1, 2)
+
+
+def test_zero_save_load_and_zero_to_fp32(mounted, fsck_clean, tmp_path):
+    """Stage 1 and stage 2, each in a directory of its own on one mount."""
+    ckpts = {stage: mounted.path / f"ckpts-zero{stage}" for stage in STAGES}
+    plain = {stage: tmp_path / f"plain-zero{stage}" for stage in STAGES}
+    for d in plain.values():
+        d.mkdir()
+    deepspeed_ranks([f"{stage}:save:{ckpts[stage]}:{plain[stage]}" for stage in STAGES],
+                    tmp_path)
     shards = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
               "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
-    assert sorted(os.listdir(ckpts)) == ["global_step2", "global_step4", "latest",
-                                         "zero_to_fp32.py", "zero_to_torch.py"]
-    for tag in ("global_step2", "global_step4"):
-        assert sorted(os.listdir(ckpts / tag)) == shards
-    assert (ckpts / "latest").read_text() == "global_step4"
+    for stage in STAGES:
+        assert sorted(os.listdir(ckpts[stage])) == ["global_step2", "global_step4", "latest",
+                                                    "zero_to_fp32.py", "zero_to_torch.py"]
+        for tag in ("global_step2", "global_step4"):
+            assert sorted(os.listdir(ckpts[stage] / tag)) == shards, (stage, tag)
+        assert (ckpts[stage] / "latest").read_text() == "global_step4"
     before = shas(mounted.path)
 
     mounted.remount()
     assert shas(mounted.path) == before
-    deepspeed_ranks(stage, "load", ckpts, plain, tmp_path)
+    deepspeed_ranks([f"{stage}:load:{ckpts[stage]}:{plain[stage]}" for stage in STAGES],
+                    tmp_path)
     # The checkpoint's own conversion script, reading the shards from the mount.
-    out = mounted.path / "fp32"
-    run([sys.executable, ckpts / "zero_to_fp32.py", ckpts, out, "--safe_serialization"],
-        env=ENV, timeout=300)
+    out = {stage: mounted.path / f"fp32-zero{stage}" for stage in STAGES}
+    for stage in STAGES:
+        run([sys.executable, ckpts[stage] / "zero_to_fp32.py", ckpts[stage], out[stage],
+             "--safe_serialization"], env=ENV, timeout=300)
     mounted.remount()
-    got = st_torch.load((out / "model.safetensors").read_bytes())   # no mmap left on the mount
-    want = torch.load(plain / "weights-global_step4.pt", weights_only=True)
-    if stage == 1:
-        # Stage 1 saves no frozen-parameter fragments, so zero_to_fp32 gives the
-        # trained parameters only (the frozen ones are in mp_rank_00_model_states.pt).
-        frozen = ("embed.", "blocks.0.")
-        want = {k: v for k, v in want.items() if not k.startswith(frozen)}
-    assert sorted(got) == sorted(want)
-    for name, t in want.items():
-        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    for stage in STAGES:
+        got = st_torch.load((out[stage] / "model.safetensors").read_bytes())  # no mmap left
+        want = torch.load(plain[stage] / "weights-global_step4.pt", weights_only=True)
+        if stage == 1:
+            # Stage 1 saves no frozen-parameter fragments, so zero_to_fp32 gives the
+            # trained parameters only (the frozen ones are in mp_rank_00_model_states.pt).
+            frozen = ("embed.", "blocks.0.")
+            want = {k: v for k, v in want.items() if not k.startswith(frozen)}
+        assert sorted(got) == sorted(want), stage
+        for name, t in want.items():
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), (stage, name)
     fsck_clean(mounted)

@@ -1,12 +1,16 @@
 """One rank of a DeepSpeed ZeRO job on the CPU (tests/compat/test_compat_deepspeed.py).
 
-    compat_deepspeed_worker.py RANK WORLD PORT STAGE MODE CKPT_DIR PLAIN_DIR
+    compat_deepspeed_worker.py RANK WORLD PORT STAGE:MODE:CKPT_DIR:PLAIN_DIR [...]
 
-Rank processes of a gloo group (DeepSpeed's CPU accelerator, 127.0.0.1:PORT).
-The model is a small GPT-like stack built from CONFIG with its embedding and
-first block frozen; the optimizer is torch's AdamW wrapped by ZeRO stage
-STAGE (1 or 2: each rank owns a partition of the fp32 master weights and of
-the Adam moments).
+Rank processes of a gloo group (DeepSpeed's CPU accelerator, 127.0.0.1:PORT)
+doing each operation in order, in one process group: importing torch and
+DeepSpeed takes most of a job's time, so one job does both stages' saves
+and another both stages' loads. The model is a small GPT-like stack built
+from CONFIG with its embedding and first block frozen; the optimizer is
+torch's AdamW wrapped by ZeRO stage STAGE (1 or 2: each rank owns a
+partition of the fp32 master weights and of the Adam moments). Each
+operation builds engines of its own, so one stage's engine never serves
+another's checkpoint.
 
 save: trains 2 steps, engine.save_checkpoint(CKPT_DIR) (tag global_step2:
 `latest`, `global_step2/mp_rank_00_model_states.pt` from rank 0 and
@@ -136,9 +140,45 @@ def no_shm_comm_op() -> None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
+def run_op(rank: int, stage: int, mode: str, ckpt_dir: str, plain_dir: str) -> None:
+    """One stage's save or load (the module docstring), ended by a barrier."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if mode == "save":
+        engine = engine_for(stage, CONFIG["seed"])
+        for tag, first in (("global_step2", 1), ("global_step4", 3)):
+            train(engine, first, 2, rank)
+            engine.save_checkpoint(ckpt_dir, tag=tag)
+            torch.save(held_state(engine),
+                       os.path.join(plain_dir, f"expected-{tag}-rank{rank}.pt"))
+            if rank == 0:
+                weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+                torch.save(weights, os.path.join(plain_dir, f"weights-{tag}.pt"))
+            dist.barrier()
+    elif mode == "load":
+        engine = engine_for(stage, CONFIG["seed"] + 1)
+        path, _ = engine.load_checkpoint(ckpt_dir)          # through `latest`
+        tag = os.path.basename(os.path.dirname(path)) if path else None
+        assert tag == "global_step4", path
+        want = torch.load(os.path.join(plain_dir, f"expected-global_step4-rank{rank}.pt"),
+                          weights_only=False)
+        assert_equal(held_state(engine), want, f"rank {rank}")
+        # Resume: loaded at step 4, trained one step == loaded at step 2, trained 3.
+        train(engine, 5, 1, rank)
+        other = engine_for(stage, CONFIG["seed"] + 2)
+        other.load_checkpoint(ckpt_dir, tag="global_step2")
+        train(other, 3, 3, rank)
+        assert_equal(held_state(engine)["module"], held_state(other)["module"], "resumed")
+        dist.barrier()
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    print(f"rank {rank}: deepspeed {deepspeed.__version__} ZeRO-{stage} {mode} ok", flush=True)
+
+
 def main() -> int:
-    rank, world, port, stage = (int(x) for x in sys.argv[1:5])
-    mode, ckpt_dir, plain_dir = sys.argv[5:8]
+    rank, world, port = (int(x) for x in sys.argv[1:4])
+    ops = [op.split(":", 3) for op in sys.argv[4:]]
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -148,35 +188,8 @@ def main() -> int:
     no_shm_comm_op()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     try:
-        if mode == "save":
-            engine = engine_for(stage, CONFIG["seed"])
-            for tag, first in (("global_step2", 1), ("global_step4", 3)):
-                train(engine, first, 2, rank)
-                engine.save_checkpoint(ckpt_dir, tag=tag)
-                torch.save(held_state(engine),
-                           os.path.join(plain_dir, f"expected-{tag}-rank{rank}.pt"))
-                if rank == 0:
-                    weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-                    torch.save(weights, os.path.join(plain_dir, f"weights-{tag}.pt"))
-                dist.barrier()
-        elif mode == "load":
-            engine = engine_for(stage, CONFIG["seed"] + 1)
-            path, _ = engine.load_checkpoint(ckpt_dir)          # through `latest`
-            tag = os.path.basename(os.path.dirname(path)) if path else None
-            assert tag == "global_step4", path
-            want = torch.load(os.path.join(plain_dir, f"expected-global_step4-rank{rank}.pt"),
-                              weights_only=False)
-            assert_equal(held_state(engine), want, f"rank {rank}")
-            # Resume: loaded at step 4, trained one step == loaded at step 2, trained 3.
-            train(engine, 5, 1, rank)
-            other = engine_for(stage, CONFIG["seed"] + 2)
-            other.load_checkpoint(ckpt_dir, tag="global_step2")
-            train(other, 3, 3, rank)
-            assert_equal(held_state(engine)["module"], held_state(other)["module"], "resumed")
-            dist.barrier()
-        else:
-            raise SystemExit(f"unknown mode {mode}")
-        print(f"rank {rank}: deepspeed {deepspeed.__version__} ZeRO-{stage} {mode} ok", flush=True)
+        for stage, mode, ckpt_dir, plain_dir in ops:
+            run_op(rank, int(stage), mode, ckpt_dir, plain_dir)
     finally:
         dist.destroy_process_group()
     return 0
