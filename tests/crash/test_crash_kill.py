@@ -26,8 +26,8 @@ Tiering rounds (sync=lazy, hot_versions=0): the mover's debug hook stops a
 tiering pass at a named point (a pack about to be written, half written,
 committed but not named, a pass just done, a dead pack not yet deleted) while
 the writers go on renaming; the daemon is killed there, and the next mount
-must finish or undo what the pass left by itself. `-m soak` adds chains of
-sync=lazy rounds with the mover at work killed at random moments (0.5-12 s),
+must finish or undo what the pass left by itself: each point once by default,
+each twice under `-m soak`. `-m soak` also adds chains of sync=lazy rounds with the mover at work killed at random moments (0.5-12 s),
 each remount checked the same way and the store left with nothing fsck cannot
 explain (a snapshot's temporary a crash left may stay until `ckptfs gc`, which
 the chain runs at its end).
@@ -227,24 +227,37 @@ def test_sigkill_at_tiering_pause_points(make_mount, tmp_path, monkeypatch):
     none of its bytes written, a pack half written (upload in flight), a pack
     committed but not yet named (before the index commit), a pass just
     finished, a dead pack whose blob waits for the next snapshot; each point
-    twice, as a
-    chain of rounds on one filesystem (recovery on top of recovery). The
-    mover's debug hook (CKPTFS_DEBUG_PAUSE) stops it there and says so; no
-    sleep hopes to hit the window. After each remount every path holds what its
-    journal allows and the mount removes what the pass left, by itself; at the
-    end the store keeps only named packs, no temporaries, and fsck is clean."""
+    once, as a chain of rounds on one filesystem (recovery on top of recovery:
+    each round's mount recovers from the point before). The mover's debug hook
+    (CKPTFS_DEBUG_PAUSE) stops it there and says so; no sleep hopes to hit the
+    window. After each remount every path holds what its journal allows and
+    the mount removes what the pass left, by itself; at the end the store
+    keeps only named packs, no temporaries, and fsck is clean. A round waits
+    for the mover's first pass (5 s after the mount), so `-m soak` runs the
+    chain with each point twice (test_sigkill_at_tiering_pause_points_twice)."""
+    tier_pause_chain(make_mount, tmp_path, monkeypatch, TIER_PAUSE_POINTS)
+
+
+@pytest.mark.soak
+def test_sigkill_at_tiering_pause_points_twice(make_mount, tmp_path, monkeypatch):
+    """The chain of test_sigkill_at_tiering_pause_points with each point twice:
+    every point also recovered from the last one (pack-begin after pack-dead)."""
+    tier_pause_chain(make_mount, tmp_path, monkeypatch, TIER_PAUSE_POINTS * 2)
+
+
+def tier_pause_chain(make_mount, tmp_path: Path, monkeypatch, points: tuple[str, ...]) -> None:
+    """SIGKILL at each of points in turn (test_sigkill_at_tiering_pause_points)."""
     rng = random.Random(17)
     m: Mount = make_mount(options=[LOG_SIZE, "sync=lazy", "hot_versions=0"], start=False)
     baseline: dict[str, str] = {}
     journals: dict[str, Path] = {}
-    for rnd, point in enumerate(TIER_PAUSE_POINTS * 2):
+    for rnd, point in enumerate(points):
         marker = tmp_path / f"paused-{rnd}"
         monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"{point}:{marker}")
         m.start()
         monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
         if journals:
-            _check_round(m, journals, baseline,
-                         f"SIGKILL at {TIER_PAUSE_POINTS[(rnd - 1) % len(TIER_PAUSE_POINTS)]}")
+            _check_round(m, journals, baseline, f"SIGKILL at {points[rnd - 1]}")
             baseline = observe(m.path)
         journals = {f"w{i}": tmp_path / f"journal-{rnd}-w{i}" for i in range(N_WRITERS)}
         procs = start_writers(m, journals, rng, lazy=True)
@@ -273,7 +286,7 @@ def test_sigkill_at_tiering_pause_points(make_mount, tmp_path, monkeypatch):
         else:
             assert dead and blobs - named, f"round {rnd}: no dead pack waiting"
     m.start()
-    _check_round(m, journals, baseline, f"SIGKILL at {TIER_PAUSE_POINTS[-1]}")
+    _check_round(m, journals, baseline, f"SIGKILL at {points[-1]}")
     m.umount()
     named, intents, blobs, temps, dead = store_packs(m)
     assert blobs <= named and not intents and not temps and not dead, \
