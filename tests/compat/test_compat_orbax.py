@@ -21,8 +21,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
 from compat_util import run_helper, sha256_file, skip_unless_installed
 
 skip_unless_installed("jax and orbax-checkpoint", "jax", "orbax")
@@ -37,31 +35,37 @@ def shas(root: Path) -> dict[str, str]:
             if p.is_file() and ".ckptfs" not in p.parts}
 
 
-@pytest.mark.parametrize("layout", ["ocdbt", "zarr"])
-def test_checkpoint_manager_save_rotate_restore(mounted, fsck_clean, tmp_path, layout):
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    run_helper("compat_orbax_worker.py", "save", mounted.path, plain, layout, env=ENV,
-               timeout=600)
-    ckpts = mounted.path / "ckpts"
-    # max_to_keep=2 of 4 steps, every temp directory renamed or gone.
-    assert sorted(os.listdir(ckpts)) == ["3", "4"]
-    for step in ("3", "4"):
-        item = ckpts / step / "state"
-        assert (ckpts / step / "_CHECKPOINT_METADATA").is_file()
-        assert (item / "_METADATA").is_file()
-        if layout == "ocdbt":
-            assert (item / "manifest.ocdbt").is_file()
-            assert list((item / "ocdbt.process_0" / "d").iterdir())
-        else:
-            assert (item / "params.head.w" / "zarr.json").is_file()
-            assert (item / "params.embed" / "c" / "0" / "0").is_file()
+LAYOUTS = ("ocdbt", "zarr")
+
+
+def test_checkpoint_manager_save_rotate_restore(mounted, fsck_clean, tmp_path):
+    """Both layouts, each in a directory of its own on one mount, saved by one
+    worker process and verified by another (JAX's import is most of a run)."""
+    jobs = []
+    for layout in LAYOUTS:
+        (mounted.path / layout).mkdir()
+        (tmp_path / f"plain-{layout}").mkdir()
+        jobs.append(f"{layout}:{mounted.path / layout}:{tmp_path / f'plain-{layout}'}")
+    run_helper("compat_orbax_worker.py", "save", *jobs, env=ENV, timeout=600)
+    for layout in LAYOUTS:
+        ckpts = mounted.path / layout / "ckpts"
+        # max_to_keep=2 of 4 steps, every temp directory renamed or gone.
+        assert sorted(os.listdir(ckpts)) == ["3", "4"], layout
+        for step in ("3", "4"):
+            item = ckpts / step / "state"
+            assert (ckpts / step / "_CHECKPOINT_METADATA").is_file()
+            assert (item / "_METADATA").is_file()
+            if layout == "ocdbt":
+                assert (item / "manifest.ocdbt").is_file()
+                assert list((item / "ocdbt.process_0" / "d").iterdir())
+            else:
+                assert (item / "params.head.w" / "zarr.json").is_file()
+                assert (item / "params.embed" / "c" / "0" / "0").is_file()
     assert not [p for p in mounted.path.rglob("*") if "tmp" in p.name and
                 ".ckptfs" not in p.parts]
     before = shas(mounted.path)
 
     mounted.remount()
     assert shas(mounted.path) == before
-    run_helper("compat_orbax_worker.py", "verify", mounted.path, plain, layout, env=ENV,
-               timeout=600)
+    run_helper("compat_orbax_worker.py", "verify", *jobs, env=ENV, timeout=600)
     fsck_clean(mounted)

@@ -1,7 +1,10 @@
 """JAX + Orbax checkpointing on ckptfs (tests/compat/test_compat_orbax.py).
 
-    compat_orbax_worker.py save MOUNT_DIR PLAIN_DIR LAYOUT
-    compat_orbax_worker.py verify MOUNT_DIR PLAIN_DIR LAYOUT
+    compat_orbax_worker.py save LAYOUT:MOUNT_DIR:PLAIN_DIR [...]
+    compat_orbax_worker.py verify LAYOUT:MOUNT_DIR:PLAIN_DIR [...]
+
+Each LAYOUT:MOUNT_DIR:PLAIN_DIR in turn, in one process (importing JAX and
+Orbax is most of a run), each with a CheckpointManager of its own.
 
 LAYOUT is ocdbt (Orbax's default: one OCDBT key-value store per checkpoint
 item, arrays as zarr3 chunks packed into its data files) or zarr (use_ocdbt=
@@ -171,11 +174,13 @@ def verify(mount_dir: str, plain_dir: str, layout: str) -> None:
 
 
 def main() -> int:
-    mode, mount_dir, plain_dir, layout = sys.argv[1:5]
-    assert layout in ("ocdbt", "zarr"), layout
-    {"save": save, "verify": verify}[mode](mount_dir, plain_dir, layout)
-    print(f"jax {jax.__version__}, orbax-checkpoint {ocp.__version__}: {mode} {layout} ok",
-          flush=True)
+    mode = sys.argv[1]
+    for job in sys.argv[2:]:
+        layout, mount_dir, plain_dir = job.split(":", 2)
+        assert layout in ("ocdbt", "zarr"), layout
+        {"save": save, "verify": verify}[mode](mount_dir, plain_dir, layout)
+        print(f"jax {jax.__version__}, orbax-checkpoint {ocp.__version__}: {mode} {layout} ok",
+              flush=True)
     return 0
 
 
