@@ -408,7 +408,7 @@ def test_prefetch_fetches_in_order_while_the_trio_thread_is_busy(tmp_path, monke
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(prefetcher.run)
-            # Four look-aheads of 24 chunks (3 batches each), asked at once.
+            # Four look-aheads of 24 chunks (2 batches each), asked at once.
             for k in range(0, 96, 24):
                 prefetcher.prefetch(chunks[k:k + 24], lambda: told.append(threading.get_ident()))
             # The trio thread busy (no checkpoint): the fetches go on regardless.
@@ -425,7 +425,8 @@ def test_prefetch_fetches_in_order_while_the_trio_thread_is_busy(tmp_path, monke
     import trio.testing
     trio.run(main)
     assert started == sorted(started), f"batches fetched out of order: {started}"
-    assert len(started) == 12
+    per_batch = coldstore.PREFETCH_BATCH_BYTES // 100_000
+    assert len(started) == 4 * -(-24 // per_batch)
     for c in chunks:
         assert bytes(cold.get(c)) == datas[c.chunk_no]
     assert all(not t.is_alive() for t in prefetcher._threads)
@@ -535,3 +536,82 @@ def test_a_cold_reader_served_by_the_daemon_finds_the_index_pages_of_its_next_re
     monkeypatch.setenv("CKPTFS_NO_FASTPATH", "1")
     faults = second_half_index_faults(make_mount, 9)
     assert faults <= 3, f"the trio thread waited for {faults} index pages in the second half"
+
+
+def _smaps_entry(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding address."""
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    return fields
+
+
+def test_a_prefetch_batch_is_read_into_one_huge_page(tmp_path, monkeypatch):
+    """A fetch batch's pack bytes, rounded out to whole blocks for O_DIRECT,
+    fit one 2 MiB buffer that is a transparent huge page: the disk gets the
+    read as one request. Into 4 KiB pages a 1 MiB read went out as ~2
+    requests (max_segments), and this VM's disk gave 1.4 GB/s against
+    1.7-1.9 into a huge page, 2.6-2.9 for 2 MiB reads (session 21)."""
+    from pathlib import Path
+
+    import trio
+    import trio.testing
+
+    from ckptfs import coldstore
+    from ckptfs.backing.base import SPAN_ALIGN
+    from ckptfs.coldstore import HUGE_BYTES, PREFETCH_BATCH_BYTES, Prefetcher
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages here")
+    backend = LocalBackend.create(tmp_path / "store")
+    rng = random.Random(7)
+    datas = [rng.randbytes(rng.randrange(40_000, 110_000)) for _ in range(120)]
+    chunks = write_raw_pack(backend, datas)
+    runs: list[list[Chunk]] = []
+
+    class Recording(ColdStore):
+        def get_many(self, run: list[Chunk]) -> None:
+            runs.append(run)
+            super().get_many(run)
+
+    cold = Recording(backend, cache_bytes=64 * MiB)
+    monkeypatch.setattr(coldstore, "PREFETCH_THREADS", 1)
+    prefetcher = Prefetcher(cold, depth_bytes=32 * MiB)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(prefetcher.run)
+            prefetcher.prefetch(chunks)
+            while cold.fetches < len(chunks):
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert len(runs) > 2
+    for run in runs:
+        first, last = run[0], run[-1]
+        size = last.pack_off + last.stored_length - first.pack_off
+        assert size <= PREFETCH_BATCH_BYTES
+        rounded = -(-(first.pack_off % SPAN_ALIGN + size) // SPAN_ALIGN) * SPAN_ALIGN
+        assert rounded <= HUGE_BYTES, "a batch's O_DIRECT read does not fit one huge page"
+    for run in runs[:-1]:               # every batch but the last fills most of one
+        assert sum(c.stored_length for c in run) > HUGE_BYTES * 3 // 4
+    for run in runs[:-1]:
+        data, span, address = cold._cache[run[0].chunk_id]
+        assert span.buf is not None and len(span.buf) == HUGE_BYTES
+        base = native.address_of(span.buf)
+        assert base % HUGE_BYTES == 0, "the buffer is not on a huge-page boundary"
+        fields = _smaps_entry(base)
+        assert "hg" in fields.get("VmFlags", "").split(), "no MADV_HUGEPAGE on the buffer"
+    for c in chunks:
+        assert bytes(cold.get(c)) == datas[c.chunk_no]
+    backend.close()
