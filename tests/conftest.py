@@ -19,7 +19,8 @@ Shared here:
   directories through tools/mounting.py (the mount helper tests and tools
   share): `mount.ckptfs SRC SRC` (mounted over its own source, as users do),
   always cleaned up, even when a test fails: lazy unmount, then SIGTERM, then
-  SIGKILL of the daemon. `fsck_clean`: unmount and require a clean fsck.
+  SIGKILL of the daemon; their stat() and sync() ask the daemon from this
+  process (`DirectStatMount`). `fsck_clean`: unmount and require a clean fsck.
 - `inproc`: ckptfs opened in this process (tests/inproc.py): the real
   Filesystem, index and log, no kernel in between, for tests whose subject is
   not the kernel's path (fsck and recover of what was written, power loss).
@@ -40,12 +41,29 @@ from typing import Optional
 
 import pytest
 
+from ckptfs import control  # noqa: E402
 from ckptfs.mounts import ckptfs_mounts  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))      # mounting.py, rgw.py: shared with the tools
 
 from inproc import InProcess  # noqa: E402
 from mounting import Mount, is_mounted  # noqa: E402
+
+
+class DirectStatMount(Mount):
+    """The Mount make_mount gives: stat() and sync() send the daemon the
+    requests `ckptfs stat --json` and `ckptfs sync` send, from this process.
+    Each command starts a Python (0.2-0.4 s on 2 cores), and every start()
+    asks for the pid, many tests poll stat, some sync in loops; the commands
+    themselves are tested in tests/cli (test_stat_json and its neighbours)
+    and wherever a test runs them with run_ckptfs. The benchmarks keep
+    Mount's (they may talk to another checkout's daemon)."""
+
+    def stat(self) -> dict:
+        return control.request(str(self.path), "stat", timeout_s=120)   # run_ckptfs's
+
+    def sync(self, timeout_s: float = 600) -> None:
+        control.request(str(self.path), "sync", timeout_s=timeout_s)
 
 
 @pytest.fixture
@@ -67,7 +85,7 @@ def make_mount(tmp_path):
         else:
             mnt = tmp_path / f"mnt{len(mounts)}"
             mnt.mkdir(exist_ok=True)
-        m = Mount(src, mnt, list(options or ["pmem_size=512M"]))
+        m = DirectStatMount(src, mnt, list(options or ["pmem_size=512M"]))
         mounts.append(m)
         if start:
             m.start()
