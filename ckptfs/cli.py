@@ -18,7 +18,6 @@ import sys
 from typing import Optional
 
 from . import control
-from .daemon import mount
 from .errors import CkptfsError, ExitCode, OperationFailed, UsageError, one_line
 from .mounts import find_mount
 from .options import options_help, parse_options
@@ -81,6 +80,9 @@ def _mount(source: str, mountpoint: str, option_strings: list[str], foreground: 
         return _fail(OperationFailed(f"{opts.mountpoint} is already a ckptfs mount "
                                      "(unmount it first: ckptfs umount "
                                      f"{opts.mountpoint})"))
+    # The daemon's modules (trio, the index, the log) load only for a mount:
+    # every other command is a client and starts in a fraction of the time.
+    from .daemon import mount
     return mount(opts)
 
 

@@ -30,9 +30,10 @@ import logging
 import os
 import socket
 import stat
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-import trio
+if TYPE_CHECKING:
+    import trio
 
 from .errors import CkptfsError, OperationFailed, UsageError
 
@@ -103,9 +104,11 @@ def _check_private(path: str, create: bool) -> None:
 Handler = Callable[[dict], Awaitable[Any]]
 
 
-async def serve(path: str, handlers: dict[str, Handler],
-                task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve(path: str, handlers: dict[str, Handler], task_status=None) -> None:
     """Answer control requests until cancelled."""
+    # trio here, not at the top: `request` is all a command needs, and
+    # importing trio is a third of a command's start.
+    import trio
     private_socket_dir(create=True)
     try:
         os.unlink(path)      # left by a daemon that was killed
@@ -140,7 +143,8 @@ async def serve(path: str, handlers: dict[str, Handler],
                 pass
 
     try:
-        await trio.serve_listeners(answer, [listener], task_status=task_status)
+        await trio.serve_listeners(answer, [listener], task_status=(
+            trio.TASK_STATUS_IGNORED if task_status is None else task_status))
     finally:
         try:
             os.unlink(path)
