@@ -24,7 +24,8 @@ like any other: a read or a commit of the file waits for the feed
 (`DirtyFile.quiesce`), and nothing staged is ever durable, so a crash before
 the feed ends loses only bytes no fsync or close covered. At most
 FEED_BACKLOG_BYTES wait for the feed; a write past that waits for it. Writes
-answered in C (below) may run up to WINDOW_BACKLOG_BYTES ahead of the feed:
+answered in C (below) may run up to WINDOW_BACKLOG_BYTES ahead of the feed
+(each at most a quarter of the log):
 theirs are log bytes the feed reads back, not memory, and a WRITE the window
 has no room for goes through the interpreter (pyfuse3's copy, the handler,
 the wait), which on a CPU-bound writer cost more than the feed's lead.
@@ -281,6 +282,12 @@ class WriteStager:
         self.log = plog
         self.dedup = dedup
         self.io_limiter = io_limiter
+        # A stream's unfed bytes hold log space until the feed gives back the
+        # duplicates among them: in a small log the backlogs are a quarter of
+        # it each, or a repeated block fills the log ahead of its feed and
+        # its writes fail with ENOSPC (a 64 MiB log, CI in session 21).
+        self.feed_backlog_bytes = min(FEED_BACKLOG_BYTES, plog.capacity_bytes // 4)
+        self.window_backlog_bytes = min(WINDOW_BACKLOG_BYTES, plog.capacity_bytes // 4)
         # Large writes' copies into a log file: C threads (a DAX log's are memory copies).
         self.writer = LogWriter(plog) if plog.threaded_writes and not plog.dax else None
         self._next_staged = -1
@@ -315,7 +322,7 @@ class WriteStager:
             return
         arena = stream.arena
         room = min(arena.log_off + arena.length - stream.cursor,
-                   WINDOW_BACKLOG_BYTES - stream.ready_bytes,
+                   self.window_backlog_bytes - stream.ready_bytes,
                    MAX_FILE_BYTES - stream.next_off)
         if room <= 0:
             self._stop_answering(df)
@@ -534,7 +541,7 @@ class WriteStager:
         stream.ready[plan.ticket] = (plan, data)
         stream.ready_bytes += len(data) - plan.stream_pos
         self._start_feed(df, stream)
-        while stream.alive and stream.ready_bytes > FEED_BACKLOG_BYTES:
+        while stream.alive and stream.ready_bytes > self.feed_backlog_bytes:
             await stream.fed.wait()
 
     def _start_feed(self, df: DirtyFile, stream: ChunkStream) -> None:

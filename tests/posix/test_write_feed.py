@@ -222,3 +222,55 @@ def pread_all_daemon(fd: int, n: int) -> bytes:
         assert piece, "short read"
         out += piece
     return bytes(out)
+
+
+def test_a_full_log_waits_for_the_feed_to_give_back_duplicates(make_mount, monkeypatch,
+                                                               tmp_path, fsck_clean):
+    """WRITEs answered in C may run WINDOW_BACKLOG_BYTES (128 MiB) ahead of
+    the chunk feed, and the daemon's own FEED_BACKLOG_BYTES (32 MiB): more
+    than a 64 MiB log holds. With the feed held, a repeated block written
+    on must wait for the feed (which gives back every duplicate's log
+    bytes), not fill the log and fail with ENOSPC. (CI, session 21:
+    test_repeated_content_within_a_file_fits_a_small_log failed so once its
+    feed fell behind.)"""
+    marker = tmp_path / "feed-paused"
+    monkeypatch.setenv("CKPTFS_DEBUG_PAUSE", f"stream-feed:{marker}")
+    m = make_mount(options=["pmem_size=64M", "sync=close"])
+    monkeypatch.delenv("CKPTFS_DEBUG_PAUSE")
+    block = pattern(MiB, seed=23)
+    blocks = 100
+    path = m.path / "repeated.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def write_the_rest() -> None:
+        for _ in range(blocks - 1):
+            _write_all(fd, block)
+        push_to_daemon(fd)
+
+    try:
+        _write_all(fd, block)
+        push_to_daemon(fd)
+        _wait_until(marker.exists, "the chunk feed never ran")
+        pushed, out = in_thread(write_the_rest)
+        # Until the writes stop: held by the backlog's bound (or failed).
+        seen: list[int] = []
+
+        def held_or_ended() -> bool:
+            seen.append(m.stat()["pmem_free_bytes"])
+            return not pushed.is_alive() or (len(seen) > 25 and len(set(seen[-25:])) == 1)
+
+        _wait_until(held_or_ended, "the writes never stopped while the feed was held")
+        marker.unlink()
+        pushed.join(WAIT_S)
+        assert not pushed.is_alive(), "the writes never ended after the feed went on"
+        assert out == [None], f"the writes failed: {out}"
+        os.fsync(fd)
+    finally:
+        marker.unlink(missing_ok=True)      # a failed test must not hang in close
+        os.close(fd)
+    assert m.stat()["stored_bytes"] < 3 * MiB
+    m.remount()
+    with open(path, "rb") as f:
+        for i in range(blocks):
+            assert f.read(MiB) == block, f"MiB {i} differs"
+    fsck_clean(m)
