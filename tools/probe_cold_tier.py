@@ -154,7 +154,14 @@ def ceiling(paths):
     return res
 
 
-def diskstats(dev="vda"):
+def block_device(path):
+    """The kernel's name of the block device holding path (vda1, nvme0n1p2)."""
+    st = os.stat(path)
+    link = os.readlink(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    return os.path.basename(link)
+
+
+def diskstats(dev):
     """(reads, sectors read, ms reading, ms busy, weighted ms) of dev."""
     for line in Path("/proc/diskstats").read_text().splitlines():
         f = line.split()
@@ -221,14 +228,14 @@ def one(args, rep):
             PYNAMES.update(py_thread_names(t.pid))
             c0 = thread_cpu(t.pid)
             r0 = os.times()
-            k0 = diskstats()
+            k0 = diskstats(block_device(args.dir))
             t0 = time.perf_counter()
             STARTS.clear()
             got, lat = read_timed(fd, buf)
             d_starts = list(STARTS)
             wall = time.perf_counter() - t0
             r1 = os.times()
-            k1 = diskstats()
+            k1 = diskstats(block_device(args.dir))
             c1 = thread_cpu(t.pid)
             if perf:
                 perf.send_signal(signal.SIGINT)
